@@ -1,0 +1,46 @@
+"""Gradient clipping by the norm of the whole pipelined model."""
+
+from __future__ import annotations
+
+from typing import Union
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.plugins.precision import Precision
+from torch.optim import Optimizer
+
+
+def global_grad_norm(
+    grads: list[torch.Tensor], group: dist.ProcessGroup, device: torch.device, norm_type: float = 2.0
+) -> torch.Tensor:
+    """The ``norm_type`` norm of all gradients of the pipeline, given this rank's share of them."""
+    if grads:
+        local = torch.nn.utils.get_total_norm(grads, norm_type=norm_type).float()
+    else:
+        local = torch.zeros((), dtype=torch.float32, device=device)
+    if dist.get_world_size(group) == 1:
+        return local
+    if norm_type == float("inf"):
+        dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
+        return local
+    powered = local**norm_type
+    dist.all_reduce(powered, op=dist.ReduceOp.SUM, group=group)
+    return powered ** (1.0 / norm_type)
+
+
+def clip_by_global_norm(
+    plugin: Precision, group: dist.ProcessGroup, optimizer: Optimizer, clip_val: Union[int, float]
+) -> None:
+    """Drop-in for ``Precision.clip_grad_by_norm`` that clips by the norm over every stage of the pipeline."""
+    params = [p for p in plugin.main_params(optimizer) if p.grad is not None]
+    device = params[0].device if params else plugin_device(optimizer)
+    total = global_grad_norm([p.grad for p in params], group, device)
+    torch.nn.utils.clip_grads_with_norm_(params, clip_val, total)
+
+
+def plugin_device(optimizer: Optimizer) -> torch.device:
+    """The device of the optimizer's parameters (CPU when it has none)."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            return p.device
+    return torch.device("cpu")

@@ -1,0 +1,135 @@
+"""Makes ``self.log`` inside a pipelined step behave as in single-device training.
+
+On the last stage the user's step runs once per microbatch (training) or once on the gathered batch
+(evaluation). While it runs, ``LightningModule.log`` is replaced by a :class:`LogRecorder`. Afterwards the
+recorded values are reduced over microbatches with each call's own ``reduce_fx`` (``"mean"`` by default, so a
+mean loss becomes the full-batch mean), sent to every rank of the pipeline and logged there for real, once
+per key. Every rank therefore logs the same keys with the same values, and ``sync_dist=True`` is matched
+collectively on all ranks instead of deadlocking on one stage.
+"""
+
+from __future__ import annotations
+
+import inspect
+import numbers
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import LightningModule
+from torchmetrics import Metric
+
+_LOG_SIGNATURE = inspect.signature(LightningModule.log)
+_REDUCERS = {"mean": torch.mean, "sum": torch.sum, "max": torch.max, "min": torch.min}
+
+
+class LogRecorder:
+    """Stands in for ``LightningModule.log`` and keeps what the step logs, per key."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, list[Any]] = {}
+        self.options: dict[str, dict[str, Any]] = {}
+        self.batch_sizes: dict[str, list[int]] = {}
+
+    def __call__(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        bound = _LOG_SIGNATURE.bind(None, name, value, *args, **kwargs)
+        options = {k: v for k, v in bound.arguments.items() if k not in ("self", "name", "value")}
+        self.values.setdefault(name, []).append(value)
+        self.options[name] = options
+        if options.get("batch_size") is not None:
+            self.batch_sizes.setdefault(name, []).append(int(options["batch_size"]))
+
+    @contextmanager
+    def installed(self, module: LightningModule) -> Iterator["LogRecorder"]:
+        """Route ``module.log`` (and so ``module.log_dict``) here for the duration of the block."""
+        module.log = self  # type: ignore[method-assign]
+        try:
+            yield self
+        finally:
+            del module.log
+
+    def reduce(self, module: LightningModule) -> list[tuple[str, Any, dict[str, Any]]]:
+        """One ``(name, value, options)`` per key, values reduced over microbatches.
+
+        Tensors and numbers become Python floats (or a float list for non-scalars) so they travel cheaply; a
+        torchmetrics ``Metric`` becomes a reference to the module attribute holding it.
+        """
+        entries = []
+        metric_names = {id(m): n for n, m in module.named_modules() if isinstance(m, Metric)}
+        for name, values in self.values.items():
+            options = dict(self.options[name])
+            if name in self.batch_sizes:
+                options["batch_size"] = sum(self.batch_sizes[name])
+            last = values[-1]
+            if isinstance(last, Metric):
+                if id(last) not in metric_names:
+                    raise ValueError(
+                        f"`self.log({name!r}, metric)` under `PipelineStrategy` needs the metric to be an attribute of"
+                        " the LightningModule, so every rank can log it."
+                    )
+                entries.append((name, _MetricRef(metric_names[id(last)]), options))
+                continue
+            entries.append((name, _reduce(name, values, options.get("reduce_fx", "mean")), options))
+        return entries
+
+
+class _MetricRef:
+    """A picklable pointer to a ``Metric`` submodule of the LightningModule."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+
+def _reduce(name: str, values: list[Any], reduce_fx: Any) -> Any:
+    tensors = []
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            tensors.append(v.detach().float())
+        elif isinstance(v, numbers.Number):
+            tensors.append(torch.tensor(float(v)))
+        else:
+            raise TypeError(f"`self.log({name!r}, ...)` got a {type(v).__name__}; log tensors, numbers or metrics.")
+    if len(tensors) == 1:
+        out = tensors[0]
+    else:
+        stacked = torch.stack([t.to(tensors[0].device) for t in tensors])
+        fn = _REDUCERS.get(reduce_fx, reduce_fx) if isinstance(reduce_fx, str) else reduce_fx
+        if fn is None or not callable(fn):
+            raise ValueError(f"`self.log({name!r}, reduce_fx={reduce_fx!r})`: unsupported reduction.")
+        out = fn(stacked, dim=0) if fn in (torch.mean, torch.sum) else fn(stacked, 0)
+        if isinstance(out, tuple):  # torch.max/min return (values, indices)
+            out = out[0]
+    return out
+
+
+def share(payload: Any, src: int, group: Optional[dist.ProcessGroup], size: int) -> Any:
+    """Send ``payload`` from pipeline rank ``src`` to every rank of the pipeline."""
+    if size == 1:
+        return payload
+    box = [_to_cpu(payload)]
+    dist.broadcast_object_list(box, group_src=src, group=group)
+    return box[0]
+
+
+def _to_cpu(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, list):
+        return [_to_cpu(o) for o in obj]
+    if isinstance(obj, tuple):
+        return tuple(_to_cpu(o) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    return obj
+
+
+def replay(module: LightningModule, entries: list[tuple[str, Any, dict[str, Any]]], device: torch.device) -> None:
+    """Log each reduced entry for real on this rank."""
+    for name, value, options in entries:
+        if isinstance(value, _MetricRef):
+            value = module.get_submodule(value.path)
+        elif isinstance(value, torch.Tensor):
+            value = value.to(device)
+        module.log(name, value, **options)

@@ -1,0 +1,247 @@
+"""The one module that talks to ``torch.distributed.pipelining``.
+
+:class:`StagePipeline` owns this rank's stages and runs a whole batch through the chosen schedule, either
+with backward (training) or forward-only (evaluation). Stage shapes are given to torch statically: they are
+inferred with fake tensors (no real compute, no buffer updates) and passed along the pipeline once per distinct
+batch shape, so torch never runs its own shape-inference forward, which would update BatchNorm statistics and
+call the loss on uninitialised data. One schedule is kept per (microbatch shape, microbatch count, mode), so a
+ragged last batch gets its own correctly-shaped schedule instead of reusing stale buffers.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from itertools import chain
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode  # private: the only fake-tensor entry point torch has
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import (
+    PipelineScheduleMulti,
+    PipelineScheduleSingle,
+    ScheduleGPipe,
+    ScheduleLoopedBFS,
+    get_schedule_class,
+)
+from torch.func import functional_call
+
+from lightning_pipe.partition import StageLayout
+
+#: Schedules selectable by name. Each is torch's own class; see ``torch.distributed.pipelining.schedules``.
+SCHEDULE_NAMES = ("1F1B", "GPipe", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+_V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
+
+_Meta = tuple[tuple[int, ...], torch.dtype]
+
+
+def resolve_schedule(name: str) -> tuple[str, type, bool]:
+    """Map a schedule name (case-insensitive) to ``(canonical_name, class, multi_stage)``."""
+    canonical = {n.lower(): n for n in SCHEDULE_NAMES}.get(str(name).lower())
+    if canonical is None:
+        raise ValueError(f"Unknown `schedule={name!r}`. Choose one of {list(SCHEDULE_NAMES)}.")
+    cls = get_schedule_class(canonical)
+    return canonical, cls, issubclass(cls, PipelineScheduleMulti)
+
+
+def placement_style(schedule_name: str) -> str:
+    """How the schedule expects virtual stages on ranks: ``"v"`` for ZBV/DualPipeV, ``"loop"`` otherwise."""
+    return "v" if schedule_name in _V_SCHEDULES else "loop"
+
+
+def microbatches_for(batch_size: int, num_microbatches: int) -> int:
+    """The microbatch count for a batch: ``num_microbatches`` when it divides the batch, else the largest divisor
+    of ``batch_size`` below it, so every microbatch has the same shape and the mean of microbatch means is the
+    full-batch mean."""
+    n = min(num_microbatches, batch_size)
+    while batch_size % n:
+        n -= 1
+    return n
+
+
+class StagePipeline:
+    """This rank's pipeline stages and the schedules that drive them.
+
+    Args:
+        stage_modules: ``{stage_index: module}`` for the stages this rank runs.
+        layout: the full stage layout, identical on every rank.
+        schedule_name: a name from :data:`SCHEDULE_NAMES`.
+        num_microbatches: microbatches per full batch.
+        group: the process group of this pipeline (one replica).
+        device: the device the stages run on.
+    """
+
+    def __init__(
+        self,
+        stage_modules: dict[int, nn.Module],
+        layout: StageLayout,
+        schedule_name: str,
+        num_microbatches: int,
+        group: dist.ProcessGroup,
+        device: torch.device,
+    ) -> None:
+        self.schedule_name, self.schedule_class, self.multi_stage = resolve_schedule(schedule_name)
+        self.stage_modules = stage_modules
+        self.layout = layout
+        self.num_microbatches = num_microbatches
+        self.group = group
+        self.device = device
+        self.pipeline_rank = dist.get_rank(group)
+        self.first_stage_rank = layout.stage_rank(0)
+        self.last_stage_rank = layout.stage_rank(layout.num_stages - 1)
+        self._schedules: dict[tuple, Any] = {}
+        self._loss_fn: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None
+        self._targets: dict[int, torch.Tensor] = {}
+
+    @property
+    def has_first_stage(self) -> bool:
+        return self.pipeline_rank == self.first_stage_rank
+
+    @property
+    def has_last_stage(self) -> bool:
+        return self.pipeline_rank == self.last_stage_rank
+
+    def check_schedule(self) -> None:
+        """Build the schedule once for the configured microbatch count so torch's own checks run at setup."""
+        self._make_schedule(self._make_stages(None), self.num_microbatches, training=True)
+
+    # ------------------------------------------------------------------ running
+    def train_step(
+        self,
+        inputs: Sequence[torch.Tensor],
+        num_microbatches: int,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        params: Sequence[nn.Parameter],
+    ) -> list[Optional[torch.Tensor]]:
+        """Forward and backward of one batch. Returns the new gradients of ``params`` and leaves ``p.grad`` as
+        it was, so the caller decides when to add them (after Lightning's ``zero_grad``)."""
+        schedule = self._schedule_for(inputs, num_microbatches, training=True)
+        batch_size = int(inputs[0].shape[0])
+        target = self._targets.get(batch_size)
+        if target is None:
+            target = self._targets[batch_size] = torch.arange(batch_size, device=self.device)
+        previous = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        self._loss_fn = loss_fn
+        try:
+            schedule.step(*(inputs if self.has_first_stage else ()), target=target, return_outputs=False)
+        finally:
+            self._loss_fn = None
+            new_grads = [p.grad for p in params]
+            for p, grad in zip(params, previous):
+                p.grad = grad
+        return new_grads
+
+    def eval_step(self, inputs: Sequence[torch.Tensor], num_microbatches: int) -> Optional[torch.Tensor]:
+        """Forward-only pass of one batch. Returns the merged backbone output on the last stage, else ``None``."""
+        schedule = self._schedule_for(inputs, num_microbatches, training=False)
+        output = schedule.eval(*(inputs if self.has_first_stage else ()))
+        return output if self.has_last_stage else None
+
+    def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        assert self._loss_fn is not None
+        return self._loss_fn(output, target)
+
+    # ------------------------------------------------------------------ building
+    def _schedule_for(self, inputs: Sequence[torch.Tensor], num_microbatches: int, training: bool) -> Any:
+        rows = int(inputs[0].shape[0]) // num_microbatches
+        first_meta = tuple(((rows, *t.shape[1:]), t.dtype) for t in inputs)
+        key = (first_meta, num_microbatches, training, torch.is_autocast_enabled(self.device.type))
+        schedule = self._schedules.get(key)
+        if schedule is None:
+            metas = self._stage_metas(first_meta, training)
+            schedule = self._make_schedule(self._make_stages(metas, training), num_microbatches, training)
+            self._schedules[key] = schedule
+        return schedule
+
+    def _make_stages(self, metas: Optional[dict[int, tuple]], training: bool = True) -> list[PipelineStage]:
+        stages = []
+        for index, module in self.stage_modules.items():
+            kwargs = {}
+            if metas is not None:
+                inputs, outputs = metas[index]
+                grads_in = training and index > 0
+                kwargs = {
+                    "input_args": tuple(_meta_tensor(m, requires_grad=grads_in) for m in inputs),
+                    "output_args": tuple(_meta_tensor(m, requires_grad=training) for m in outputs),
+                }
+            stages.append(
+                PipelineStage(module, index, self.layout.num_stages, self.device, group=self.group, **kwargs)
+            )
+        return stages
+
+    def _make_schedule(self, stages: list[PipelineStage], num_microbatches: int, training: bool) -> Any:
+        loss_fn = self._loss if training else None
+        cls = self.schedule_class
+        try:
+            return _construct(cls, stages, num_microbatches, loss_fn, self.multi_stage)
+        except ValueError as err:
+            if num_microbatches == self.num_microbatches or self.schedule_name in _V_SCHEDULES:
+                raise ValueError(
+                    f"`PipelineStrategy(schedule={self.schedule_name!r}, num_microbatches={num_microbatches})` is"
+                    f" not valid for {self.layout.num_stages} stages over {self.layout.pipeline_size} processes: {err}"
+                    " Raise `num_microbatches` (many schedules need at least one per stage), or pick another schedule."
+                ) from err
+            # A ragged batch with fewer microbatches than the schedule needs runs through the all-forward,
+            # all-backward order, which accepts any count; the arithmetic is the same.
+            fallback = ScheduleLoopedBFS if self.multi_stage else ScheduleGPipe
+            return _construct(fallback, stages, num_microbatches, loss_fn, self.multi_stage)
+
+    def _stage_metas(self, first_inputs: tuple[_Meta, ...], training: bool) -> dict[int, tuple]:
+        """Input and output shapes of every local stage for one microbatch.
+
+        Walks the stages in order: the rank owning stage ``s`` infers its output with fake tensors and
+        broadcasts it to the pipeline, since it is the next stage's input.
+        """
+        metas: dict[int, tuple] = {}
+        inputs = first_inputs
+        for stage in range(self.layout.num_stages):
+            owner = self.layout.stage_rank(stage)
+            outputs: Any = None
+            if owner == self.pipeline_rank:
+                outputs = _infer_outputs(self.stage_modules[stage], inputs, self.device, stage)
+            if stage < self.layout.num_stages - 1 and self.layout.pipeline_size > 1:
+                box = [outputs]
+                dist.broadcast_object_list(box, group_src=owner, group=self.group)
+                outputs = box[0]
+            if owner == self.pipeline_rank:
+                metas[stage] = (inputs, outputs)
+            inputs = outputs
+        return metas
+
+
+def _construct(cls: type, stages: list, n: int, loss_fn: Optional[Callable], multi: bool) -> Any:
+    if multi:
+        return cls(stages, n, loss_fn=loss_fn, scale_grads=False)
+    if issubclass(cls, PipelineScheduleSingle) and len(stages) != 1:
+        raise ValueError(f"{cls.__name__} runs one stage per process, got {len(stages)}.")
+    return cls(stages[0], n, loss_fn=loss_fn, scale_grads=False)
+
+
+def _meta_tensor(meta: _Meta, requires_grad: bool) -> torch.Tensor:
+    shape, dtype = meta
+    return torch.empty(shape, dtype=dtype, device="meta").requires_grad_(requires_grad and dtype.is_floating_point)
+
+
+def _infer_outputs(module: nn.Module, inputs: tuple[_Meta, ...], device: torch.device, stage: int) -> tuple[_Meta, ...]:
+    """Output shapes of ``module`` for inputs of the given shapes, computed on fake tensors: no real compute,
+    and parameters and buffers (BatchNorm statistics) are not touched."""
+    with torch.inference_mode(False), FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        state = {
+            name: mode.from_tensor(t)
+            for name, t in chain(module.named_parameters(remove_duplicate=False), module.named_buffers(remove_duplicate=False))
+        }
+        args = tuple(torch.empty(shape, dtype=dtype, device=device) for shape, dtype in inputs)
+        output = functional_call(module, state, args, tie_weights=False)
+    outputs = output if isinstance(output, tuple) else (output,)
+    if not all(isinstance(o, torch.Tensor) for o in outputs) or len(outputs) != 1:
+        raise TypeError(
+            f"Pipeline stage {stage} must return a single tensor (its last module is"
+            f" `{type(list(module.children())[-1]).__name__}`), got {type(output).__name__}. Make every backbone"
+            " module that ends a stage return one tensor, or move the split with `balance=`."
+        )
+    return tuple((tuple(o.shape), o.dtype) for o in outputs)

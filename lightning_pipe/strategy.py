@@ -1,0 +1,624 @@
+"""``PipelineStrategy``: Lightning's hooks mapped onto a torch.distributed.pipelining pipeline."""
+
+from __future__ import annotations
+
+import functools
+import signal
+import subprocess
+import time
+from collections import OrderedDict
+from collections.abc import Generator
+from contextlib import contextmanager, nullcontext
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Literal, Optional, Union
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.strategies.strategy import TBroadcast
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning_utilities.core.apply_func import apply_to_collection
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from typing_extensions import override
+
+import lightning.pytorch as pl
+from lightning_pipe import checkpoint as _ckpt
+from lightning_pipe.backbone import (
+    BackboneCallError,
+    LocalBackbone,
+    batch_size_of,
+    capture_input,
+    resolve_backbone,
+    run_with_output,
+    slice_batch,
+)
+from lightning_pipe.gradients import clip_by_global_norm
+from lightning_pipe.logging_bridge import LogRecorder, replay, share
+from lightning_pipe.partition import BALANCE_MODES, StageLayout, make_layout
+from lightning_pipe.pipeline import SCHEDULE_NAMES, StagePipeline, microbatches_for, placement_style, resolve_schedule
+
+if TYPE_CHECKING:
+    from lightning.pytorch.accelerators import Accelerator
+
+_Size = Union[int, Literal["auto"]]
+
+
+class PipelineStrategy(ParallelStrategy):
+    """Pipeline parallelism for an unchanged LightningModule, on ``torch.distributed.pipelining``.
+
+    The module's sequential backbone (an ``nn.Sequential``) is cut into contiguous stages, one or more per
+    process; each process keeps only its stages, under their original parameter names. Every training batch
+    runs through the chosen pipeline schedule in microbatches; validation, test and prediction run through a
+    forward-only pass. The user's ``*_step`` methods run unchanged: the code before the backbone call prepares
+    the input on the first stage, the code after it (loss, ``self.log``, metrics) runs on the last stage, and
+    everything logged reaches every rank as the full-batch value.
+
+    Args:
+        pipeline_parallel_size: processes per pipeline. ``"auto"``: all processes, or
+            ``world_size // data_parallel_size`` when that is given.
+        data_parallel_size: pipeline replicas, each fed its own share of the data. ``"auto"``:
+            ``world_size // pipeline_parallel_size``.
+        num_microbatches: microbatches each batch is split into. ``"auto"``: ``4 * pipeline_parallel_size``
+            (a bubble of at most about 20%). A batch it does not divide (a ragged last batch) uses the largest
+            count below it that does, so every microbatch has the same size.
+        schedule: a ``torch.distributed.pipelining`` schedule by name: ``"1F1B"`` (default), ``"GPipe"``,
+            ``"Interleaved1F1B"``, ``"LoopedBFS"``, ``"InterleavedZeroBubble"``, ``"ZBVZeroBubble"`` or
+            ``"DualPipeV"``.
+        stages_per_rank: virtual stages per process. ``"auto"``: 1 for single-stage schedules (1F1B, GPipe), 2
+            for multi-stage ones. Stage ``s`` runs on pipeline rank ``s % pipeline_parallel_size`` (zig-zag for
+            the V schedules, as torch expects).
+        backbone: dotted attribute path of the ``nn.Sequential`` to pipeline. Default ``"backbone"``.
+        balance: how modules are assigned to stages: ``"uniform"`` (same module count per stage, the first
+            stages take the remainder), ``"parameters"`` (minimise the largest stage's parameter count), or an
+            explicit list with the number of modules of each stage.
+        accelerator: as for every Lightning strategy; normally set by the Trainer.
+        parallel_devices: as for every Lightning strategy; normally set by the Trainer.
+        cluster_environment: as for every Lightning strategy; normally set by the Trainer.
+        checkpoint_io: as for every Lightning strategy; the pipeline saves with ``torch.distributed.checkpoint``.
+        precision_plugin: as for every Lightning strategy; normally set by the Trainer's ``precision=``.
+        process_group_backend: ``"gloo"`` on CPU and ``"nccl"`` on GPU unless given.
+        timeout: how long a collective or point-to-point transfer may wait before the job fails.
+    """
+
+    strategy_name = "pipeline"
+
+    def __init__(
+        self,
+        pipeline_parallel_size: _Size = "auto",
+        data_parallel_size: _Size = "auto",
+        num_microbatches: _Size = "auto",
+        schedule: str = "1F1B",
+        stages_per_rank: _Size = "auto",
+        backbone: str = "backbone",
+        balance: Union[str, list[int]] = "uniform",
+        accelerator: Optional[Accelerator] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        for name, value in (
+            ("pipeline_parallel_size", pipeline_parallel_size),
+            ("data_parallel_size", data_parallel_size),
+            ("num_microbatches", num_microbatches),
+            ("stages_per_rank", stages_per_rank),
+        ):
+            if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"`PipelineStrategy({name}={value!r})` must be a positive integer or 'auto'.")
+        if isinstance(balance, str) and balance not in BALANCE_MODES:
+            raise ValueError(
+                f"`PipelineStrategy(balance={balance!r})` is unknown. Use one of {list(BALANCE_MODES)} or a list"
+                " with the number of backbone modules in each stage."
+            )
+        self._schedule_name, _, multi_stage = resolve_schedule(schedule)
+        if stages_per_rank == "auto":
+            stages_per_rank = 2 if multi_stage else 1
+        if not multi_stage and stages_per_rank != 1:
+            raise ValueError(
+                f"`PipelineStrategy(schedule={self._schedule_name!r})` runs one stage per process, but"
+                f" `stages_per_rank={stages_per_rank}`. Use a multi-stage schedule such as 'Interleaved1F1B', or set"
+                " `stages_per_rank=1`."
+            )
+        if placement_style(self._schedule_name) == "v" and stages_per_rank != 2:
+            raise ValueError(
+                f"`PipelineStrategy(schedule={self._schedule_name!r})` places exactly 2 stages per process;"
+                f" set `stages_per_rank=2` (got {stages_per_rank})."
+            )
+        self._pipeline_parallel_size = pipeline_parallel_size
+        self._data_parallel_size = data_parallel_size
+        self._num_microbatches = num_microbatches
+        self._stages_per_rank: int = stages_per_rank
+        self._backbone_path = backbone
+        self._balance = balance
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._device_mesh: Optional[DeviceMesh] = None
+        self._pipeline: Optional[StagePipeline] = None
+        self._pending_grads: Optional[list[Optional[Tensor]]] = None
+        self._params: list[nn.Parameter] = []
+        self.num_nodes = 1
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        """The 2-D ``("dp", "pp")`` mesh: ``mesh["pp"]`` is this rank's pipeline, ``mesh["dp"]`` its replicas."""
+        if self._device_mesh is None:
+            raise RuntimeError(
+                "`PipelineStrategy.device_mesh` is set up when the processes start; access it from `setup` on."
+            )
+        return self._device_mesh
+
+    @property
+    def pipeline(self) -> StagePipeline:
+        """This rank's stages and schedules; available after ``setup``."""
+        if self._pipeline is None:
+            raise RuntimeError("`PipelineStrategy.pipeline` is built in `setup`; access it after the Trainer starts.")
+        return self._pipeline
+
+    @property
+    def layout(self) -> StageLayout:
+        """Which backbone modules each stage holds and which rank runs it."""
+        return self.pipeline.layout
+
+    @property
+    def pipeline_parallel_size(self) -> int:
+        return self.device_mesh["pp"].size()
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.device_mesh["dp"].size()
+
+    @property
+    def pipeline_rank(self) -> int:
+        return self.device_mesh["pp"].get_local_rank()
+
+    @property
+    def data_parallel_rank(self) -> int:
+        return self.device_mesh["dp"].get_local_rank()
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def is_distributed(self) -> bool:
+        """Always ``True``: Lightning then syncs ``sync_dist`` logging and injects a distributed sampler."""
+        return True
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Every stage of one pipeline must see the same batch: the sampler splits over replicas only.
+        return {"num_replicas": self.data_parallel_size, "rank": self.data_parallel_rank}
+
+    @property
+    def process_group_backend(self) -> Optional[str]:
+        return self._process_group_backend
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return False
+
+    # ------------------------------------------------------------------ processes
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self._setup_distributed()
+        pp, dp = _resolve_sizes(self._pipeline_parallel_size, self._data_parallel_size, self.world_size)
+        self._device_mesh = init_device_mesh(self.root_device.type, (dp, pp), mesh_dim_names=("dp", "pp"))
+        assert self.lightning_module is not None
+        self.lightning_module._device_mesh = self._device_mesh
+
+    def _setup_distributed(self) -> None:
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
+            self.root_device
+        )
+        assert self.cluster_environment is not None
+        device_id = self.root_device if self.root_device.type != "cpu" else None
+        _init_dist_connection(
+            self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
+        )
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    # ------------------------------------------------------------------ setup
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None
+        module = self.lightning_module
+        assert module is not None
+        self.accelerator.setup(trainer)
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting and not module.automatic_optimization:
+            raise ValueError(
+                f"`{type(self).__name__}` runs forward and backward inside the pipeline schedule, so manual"
+                " optimization (`self.automatic_optimization = False`) is not supported. Remove it and return the"
+                " loss from `training_step`; Lightning then steps the optimizers."
+            )
+        backbone = self._split(module)
+        self.model = self.precision_plugin.convert_module(module)
+        self.model_to_device()
+        stage_modules = {
+            stage: nn.Sequential(OrderedDict((str(i), backbone.module_at(i)) for i in range(*backbone.layout.bounds[stage])))
+            for stage in backbone.layout.rank_stages(self.pipeline_rank)
+        }
+        self._pipeline = StagePipeline(
+            stage_modules,
+            backbone.layout,
+            self._schedule_name,
+            self._microbatch_count(),
+            self.device_mesh.get_group("pp"),
+            self.root_device,
+        )
+        self._pipeline.check_schedule()
+        self._params = [p for p in module.parameters() if p.requires_grad]
+        _use_global_norm_clipping(self.precision_plugin, self.device_mesh.get_group("pp"))
+        if fitting:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if fitting:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _microbatch_count(self) -> int:
+        if self._num_microbatches == "auto":
+            return 4 * self.pipeline_parallel_size
+        return self._num_microbatches
+
+    def _split(self, module: pl.LightningModule) -> LocalBackbone:
+        """Replace the backbone by this rank's stages; a module split before (fit, then validate) is reused."""
+        parent, name, backbone = resolve_backbone(module, self._backbone_path)
+        style = placement_style(self._schedule_name)
+        if isinstance(backbone, LocalBackbone):
+            layout = backbone.layout
+            if (layout.pipeline_size, layout.stages_per_rank, layout.style) != (
+                self.pipeline_parallel_size,
+                self._stages_per_rank,
+                style,
+            ) or backbone.indices != layout.rank_modules(self.pipeline_rank):
+                raise ValueError(
+                    f"The backbone was already split for another pipeline ({layout.describe()}). Create a new"
+                    " LightningModule (or load it from a checkpoint) to run it with a different pipeline layout."
+                )
+            return backbone
+        inside = {id(p) for p in backbone.parameters()}
+        outside = [n for n, p in module.named_parameters() if p.requires_grad and id(p) not in inside]
+        if outside:
+            raise ValueError(
+                f"`{type(self).__name__}` trains only the pipelined backbone `{self._backbone_path}`, but these"
+                f" trainable parameters are outside it: {outside[:5]}{' ...' if len(outside) > 5 else ''}. Move"
+                " those modules into the backbone `nn.Sequential`, or freeze them with `requires_grad_(False)`."
+            )
+        costs = [sum(p.numel() for p in m.parameters()) for m in backbone]
+        layout = make_layout(costs, self.pipeline_parallel_size, self._stages_per_rank, self._balance, style)
+        local = LocalBackbone(backbone, layout.rank_modules(self.pipeline_rank), len(backbone))
+        local.layout = layout
+        setattr(parent, name, local)
+        rank_zero_info(f"PipelineStrategy ({self._schedule_name}): {layout.describe()}")
+        return local
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
+        empty_init_context = torch.device("meta") if empty_init else nullcontext()
+        with empty_init_context, self.precision_plugin.tensor_init_context():
+            yield
+
+    @override
+    def on_train_start(self) -> None:
+        self._check_batch_size(self.lightning_module.trainer.train_dataloader, "train")
+
+    @override
+    def on_validation_start(self) -> None:
+        trainer = self.lightning_module.trainer
+        for loader in _loaders(trainer.val_dataloaders):
+            self._check_batch_size(loader, "validation")
+
+    def _check_batch_size(self, loader: Any, split: str) -> None:
+        batch_size = getattr(loader, "batch_size", None)
+        wanted = self._microbatch_count()
+        if isinstance(batch_size, int) and self._num_microbatches != "auto" and batch_size < wanted:
+            raise ValueError(
+                f"`PipelineStrategy(num_microbatches={wanted})` splits each batch into {wanted} microbatches, but the"
+                f" {split} batch size is {batch_size}. Raise the batch size to at least {wanted}, or lower"
+                f" `num_microbatches` to at most {batch_size}."
+            )
+
+    # ------------------------------------------------------------------ steps
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Tensor:
+        with self.precision_plugin.train_step_context():
+            return self._train_batch(*args, **kwargs)
+
+    def _train_batch(self, batch: Any, *rest: Any, **kwargs: Any) -> Tensor:
+        module = self.lightning_module
+        pipeline = self.pipeline
+        backbone = self._backbone()
+        step = module.training_step
+        inputs = self._capture(backbone, step, batch, *rest, **kwargs)
+        batch_size = int(inputs[0].shape[0])
+        num_microbatches = microbatches_for(batch_size, pipeline.num_microbatches)
+        # Lightning divides the returned loss by `accumulate_grad_batches` and back-propagates that; the schedule
+        # back-propagates each microbatch loss, so scale it by the same factor and by the microbatch count.
+        grad_scale = 1.0 / (num_microbatches * module.trainer.accumulate_grad_batches)
+        amp_scaler = getattr(self.precision_plugin, "scaler", None)
+        recorder = LogRecorder()
+        losses: list[Tensor] = []
+
+        def microbatch_loss(output: Tensor, rows: Tensor) -> Tensor:
+            start, stop = int(rows[0]), int(rows[-1]) + 1
+            sub_batch = slice_batch(batch, batch_size, start, stop)
+            with recorder.installed(module):
+                result = run_with_output(backbone, output, step, sub_batch, *rest, **kwargs)
+            loss = _loss_of(result)
+            losses.append(loss.detach())
+            loss = loss * grad_scale
+            return amp_scaler.scale(loss) if amp_scaler is not None else loss
+
+        self._pending_grads = pipeline.train_step(inputs, num_microbatches, microbatch_loss, self._params)
+        payload = None
+        if pipeline.has_last_stage:
+            payload = (torch.stack(losses).mean(), recorder.reduce(module))
+        loss, entries = share(payload, pipeline.last_stage_rank, pipeline.group, self.pipeline_parallel_size)
+        replay(module, entries, self.root_device)
+        return loss.to(self.root_device)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.val_step_context():
+            return self._eval_batch(self.lightning_module.validation_step, *args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.test_step_context():
+            return self._eval_batch(self.lightning_module.test_step, *args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.predict_step_context():
+            return self._eval_batch(self.lightning_module.predict_step, *args, **kwargs)
+
+    def _eval_batch(self, step: Any, *args: Any, **kwargs: Any) -> Any:
+        module = self.lightning_module
+        pipeline = self.pipeline
+        backbone = self._backbone()
+        inputs = self._capture(backbone, step, *args, **kwargs)
+        num_microbatches = microbatches_for(int(inputs[0].shape[0]), pipeline.num_microbatches)
+        output = pipeline.eval_step(inputs, num_microbatches)
+        payload = None
+        if pipeline.has_last_stage:
+            recorder = LogRecorder()
+            with recorder.installed(module):
+                result = run_with_output(backbone, output, step, *args, **kwargs)
+            payload = (result, recorder.reduce(module))
+        result, entries = share(payload, pipeline.last_stage_rank, pipeline.group, self.pipeline_parallel_size)
+        replay(module, entries, self.root_device)
+        return apply_to_collection(result, Tensor, lambda t: t.to(self.root_device))
+
+    def _capture(self, backbone: LocalBackbone, step: Any, *args: Any, **kwargs: Any) -> tuple[Tensor, ...]:
+        """The backbone input of this batch, found by running the step up to the backbone call."""
+        with LogRecorder().installed(self.lightning_module):  # the last stage logs this part per microbatch
+            inputs, input_kwargs = capture_input(backbone, step, *args, **kwargs)
+        if input_kwargs or len(inputs) != 1 or not isinstance(inputs[0], Tensor):
+            raise BackboneCallError(
+                "The pipelined backbone is an `nn.Sequential` and must be called with exactly one tensor, batch"
+                f" dimension first; it was called with {len(inputs)} positional and {len(input_kwargs)} keyword"
+                " arguments."
+            )
+        batch_size_of(inputs, input_kwargs)
+        return inputs
+
+    def _backbone(self) -> LocalBackbone:
+        _, _, backbone = resolve_backbone(self.lightning_module, self._backbone_path)
+        assert isinstance(backbone, LocalBackbone)
+        return backbone
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optional[torch.optim.Optimizer], *args: Any, **kwargs: Any) -> Tensor:
+        """The schedule already ran backward inside ``training_step``; add the gradients it kept aside.
+
+        Lightning calls ``zero_grad`` between ``training_step`` and ``backward``, so gradients written during the
+        step would be wiped. They are added here instead, with the same hooks a real backward fires.
+        """
+        module = self.lightning_module
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        grads, self._pending_grads = self._pending_grads, None
+        if grads is not None:
+            for param, grad in zip(self._params, grads):
+                if grad is None:
+                    continue
+                if param.grad is None:
+                    param.grad = grad
+                else:
+                    param.grad.add_(grad)
+        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
+        self.post_backward(closure_loss)
+        return closure_loss
+
+    # ------------------------------------------------------------------ collectives
+    @override
+    def barrier(self, name: Optional[str] = None) -> None:
+        if not _distributed_is_initialized():
+            return
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src, group=_group.WORLD)
+        return box[0]
+
+    @override
+    def reduce(
+        self, tensor: Union[Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
+    ) -> Tensor:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    # ------------------------------------------------------------------ checkpoints
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"`{type(self).__name__}.save_checkpoint(..., storage_options=...)` is not supported.")
+        _ckpt.save(self, checkpoint, self.broadcast(filepath))
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        return _ckpt.load(self, self.broadcast(checkpoint_path), weights_only=weights_only)
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero:
+            _ckpt.remove(filepath)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        pass  # loaded in place by `load_checkpoint`
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        pass  # loaded in place by `load_checkpoint`
+
+    # ------------------------------------------------------------------ teardown
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        # Rank 0 launched the other ranks; if it fails they may wait on it in a transfer. Give them a moment to
+        # fail on their own (and print why), then end them so that no process is left hanging.
+        launcher = self.launcher
+        if isinstance(launcher, _SubprocessScriptLauncher) and launcher.procs:
+            deadline = time.monotonic() + 3.0
+            for proc in launcher.procs:
+                try:
+                    proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass
+            launcher.kill(signal.SIGKILL)
+
+    @override
+    def teardown(self) -> None:
+        assert self.cluster_environment is not None
+        assert self.accelerator is not None
+        self._pending_grads = None
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        entries = {
+            "pipeline": ("1F1B", "Pipeline parallelism with the 1F1B schedule"),
+            "pipeline_1f1b": ("1F1B", "Pipeline parallelism with the 1F1B schedule"),
+            "pipeline_gpipe": ("GPipe", "Pipeline parallelism with the GPipe schedule"),
+            "pipeline_interleaved": ("Interleaved1F1B", "Pipeline parallelism, interleaved 1F1B, 2 stages per process"),
+            "pipeline_zero_bubble": ("ZBVZeroBubble", "Pipeline parallelism, ZBV zero-bubble, 2 stages per process"),
+        }
+        for name, (schedule, description) in entries.items():
+            if name not in strategy_registry:
+                strategy_registry.register(name, cls, description=description, schedule=schedule)
+
+
+def _resolve_sizes(pp: _Size, dp: _Size, world_size: int) -> tuple[int, int]:
+    if pp == "auto":
+        pp = world_size if dp == "auto" else world_size // dp
+    if dp == "auto":
+        dp = world_size // pp if pp else 0
+    if pp < 1 or dp < 1 or pp * dp != world_size:
+        raise ValueError(
+            f"`PipelineStrategy(pipeline_parallel_size={pp}, data_parallel_size={dp})` needs"
+            f" {pp} * {dp} = {pp * dp} processes, but the Trainer runs {world_size} (devices * num_nodes)."
+            " Make pipeline_parallel_size * data_parallel_size equal the number of processes, or leave one of them"
+            " 'auto'."
+        )
+    return pp, dp
+
+
+def _loss_of(result: Any) -> Tensor:
+    loss = result.get("loss") if isinstance(result, dict) else result
+    if not isinstance(loss, Tensor):
+        raise BackboneCallError(
+            "Under `PipelineStrategy`, `training_step` must return the loss tensor (or a dict with 'loss') for every"
+            f" microbatch; it returned {type(result).__name__}. Skipping a step by returning None is not supported."
+        )
+    return loss
+
+
+def _loaders(loaders: Any) -> list[Any]:
+    if loaders is None:
+        return []
+    if isinstance(loaders, (list, tuple)):
+        return list(loaders)
+    if isinstance(loaders, dict):
+        return list(loaders.values())
+    return [loaders]
+
+
+def _use_global_norm_clipping(plugin: Precision, group: dist.ProcessGroup) -> None:
+    """Make ``gradient_clip_val`` (by norm) use the norm over the whole model, not over the local stage.
+
+    Lightning clips through ``Precision.clip_grad_by_norm``; the plugin has no pipeline-aware variant, so this
+    one instance method is replaced. Gradients are identical across data-parallel replicas by then, so the
+    squared norms are summed over the pipeline group only.
+    """
+    plugin.clip_grad_by_norm = functools.partial(clip_by_global_norm, plugin, group)  # type: ignore[method-assign]

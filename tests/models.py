@@ -1,0 +1,113 @@
+"""Small models and data shared by the tests; importable by the test processes and by pytest itself."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+VOCAB, DIM, SEQ = 32, 16, 8
+
+
+class Block(nn.Module):
+    """A pre-norm transformer block: causal self-attention and an MLP."""
+
+    def __init__(self, dim: int = DIM, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1 = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.norm2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(att.transpose(1, 2).reshape(b, t, d))
+        return x + self.mlp(self.norm2(x))
+
+
+class TinyLM(L.LightningModule):
+    """Embedding, transformer blocks, norm and head in one ``nn.Sequential``, as in the package's contract."""
+
+    def __init__(
+        self,
+        blocks: int = 4,
+        lr: float = 0.1,
+        optimizer: str = "sgd",
+        scheduler: Optional[str] = None,
+        batchnorm: bool = False,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        layers: list[nn.Module] = [nn.Embedding(VOCAB, DIM)]
+        layers += [Block() for _ in range(blocks)]
+        if batchnorm:
+            layers.append(_SeqBatchNorm(DIM))
+        layers += [nn.LayerNorm(DIM), nn.Linear(DIM, VOCAB)]
+        self.backbone = nn.Sequential(*layers)
+        self.step_losses: list[float] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.backbone(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = F.cross_entropy(self(x).flatten(0, 1), y.flatten())
+        self.log("train_loss", loss, prog_bar=True)
+        self.log("train_loss_epoch_sum", loss, on_step=False, on_epoch=True, reduce_fx="sum", sync_dist=True)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        logits = self(x)
+        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+        self.log("val_loss", loss, sync_dist=True)
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self(batch[0]).argmax(-1)
+
+    def configure_optimizers(self) -> Any:
+        if self.hparams.optimizer == "adamw":
+            opt: torch.optim.Optimizer = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+        else:
+            opt = torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
+        if self.hparams.scheduler == "step":
+            sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+        if self.hparams.scheduler == "epoch":
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda e: 1.0 / (1 + e))
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "epoch"}}
+        return opt
+
+
+class _SeqBatchNorm(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.bn = nn.BatchNorm1d(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn(x.transpose(1, 2)).transpose(1, 2)
+
+
+def token_data(n: int = 48, seed: int = 0) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, VOCAB, (n, SEQ), generator=g)
+    y = torch.roll(x, -1, dims=1)
+    return TensorDataset(x, y)
+
+
+def loader(n: int = 48, batch_size: int = 8, seed: int = 0, drop_last: bool = False) -> DataLoader:
+    return DataLoader(token_data(n, seed), batch_size=batch_size, shuffle=False, drop_last=drop_last)
+
+
+def make_model(seed: int = 1234, **kwargs: Any) -> TinyLM:
+    torch.manual_seed(seed)
+    return TinyLM(**kwargs)
