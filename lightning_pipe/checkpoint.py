@@ -2,23 +2,37 @@
 
 A checkpoint is a directory (the path Lightning passes, e.g. ``epoch=0-step=100.ckpt/``):
 
-- DCP shards (``*.distcp`` and ``.metadata``) hold ``state_dict`` (model weights, original parameter names) and
-  ``optimizer_<i>`` (flattened, FQN-keyed optimizer state), each rank writing its own stages;
+- DCP shards (``__<rank>_0.distcp``) and the DCP index (``.metadata``) hold ``state_dict`` (model weights under
+  their original names, each rank writing its own stages) and ``optimizer_<i>`` (optimizer ``i``'s state,
+  flattened and keyed by parameter name, so that it can be resharded onto any pipeline layout);
 - ``meta.pt`` holds everything else Lightning puts in a checkpoint (loops, callbacks, LR schedulers, hyper-
-  parameters, ...), written once by rank 0, plus the pipeline layout for information.
+  parameters, ...), written once by rank 0, plus, under the key ``"lightning_pipe"``, the pipeline layout, the
+  full model's parameter order and each optimizer's parameter groups (what ``consolidate`` needs to write an
+  ordinary single-file checkpoint).
 
-Saving writes into a temporary sibling directory and renames it into place once every rank has finished, so a
-job killed mid-save leaves the previous checkpoint intact and no half-written directory under the final name.
+Saving writes into a temporary sibling directory (``<name>.tmp-lightning-pipe``) and renames it into place once
+every rank has written and synced its files: a job killed mid-save leaves the previous checkpoint intact and no
+half-written directory under the final name. Overwriting a checkpoint of the same name (``last.ckpt``) moves the
+old one aside (``<name>.old-lightning-pipe``) for the instant between the two renames; loading falls back to it.
+
+Loading accepts a checkpoint directory saved with any pipeline layout (another pipeline size, balance or
+schedule) or an ordinary single-file Lightning checkpoint; every rank takes its stages' slice.
 """
 
 from __future__ import annotations
 
+import os
+import re
 import shutil
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_optimizer_state_dict,
@@ -29,46 +43,108 @@ if TYPE_CHECKING:
     from lightning_pipe.strategy import PipelineStrategy
 
 META_FILENAME = "meta.pt"
+INFO_KEY = "lightning_pipe"
+FORMAT_VERSION = 1
 _TMP_SUFFIX = ".tmp-lightning-pipe"
+_OLD_SUFFIX = ".old-lightning-pipe"
 _OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
+class CheckpointMismatchError(KeyError):
+    """The checkpoint does not fit the model or optimizer it is loaded into."""
+
+    def __str__(self) -> str:  # KeyError would print the message quoted, with its newlines escaped
+        return str(self.args[0]) if self.args else ""
+
+
 def is_pipeline_checkpoint(path: Any) -> bool:
-    path = Path(path)
+    """Whether ``path`` is a complete lightning_pipe checkpoint directory."""
+    try:
+        path = Path(path)
+    except TypeError:
+        return False
     return path.is_dir() and (path / META_FILENAME).is_file() and (path / ".metadata").is_file()
 
 
+# ---------------------------------------------------------------------------------------------------- saving
 def save(strategy: PipelineStrategy, checkpoint: dict[str, Any], filepath: Any) -> None:
-    """Write ``checkpoint`` to the directory ``filepath`` from every rank."""
+    """Write ``checkpoint`` to the directory ``filepath``; called on every rank with the same path."""
     path = Path(filepath)
-    tmp = path.with_name(path.name + _TMP_SUFFIX)
-    if strategy.is_global_zero and tmp.exists():
-        shutil.rmtree(tmp)
+    tmp = _sibling(path, _TMP_SUFFIX)
+    model = strategy.lightning_module
+    if strategy.is_global_zero:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if tmp.exists() or tmp.is_symlink():
+            remove(tmp)  # left by a save that was killed
     strategy.barrier("lightning_pipe.save.start")
     checkpoint = dict(checkpoint)
+    # `ModelCheckpoint(save_weights_only=True)` leaves out optimizer and scheduler states: so do we.
+    with_optimizers = "optimizer_states" in checkpoint
     checkpoint.pop("optimizer_states", None)
     state: dict[str, Any] = {"state_dict": checkpoint.pop("state_dict")}
-    model = strategy.lightning_module
-    for idx, optimizer in enumerate(strategy.optimizers):
+    optimizers = list(strategy.optimizers) if with_optimizers else []
+    for idx, optimizer in enumerate(optimizers):
         state[f"optimizer_{idx}"] = get_optimizer_state_dict(model, optimizer, options=_OPTIM_OPTIONS)
-    dcp.save(state, checkpoint_id=tmp)
+    prefix = _backbone_prefix(strategy)
+    # Names only: the order of the full model's state dict and of every optimizer's parameter groups.
+    local = (list(state["state_dict"]), [_group_names(model, opt) for opt in optimizers])
+    gathered = _all_gather(local)
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True))
     if strategy.is_global_zero:
-        checkpoint["pipeline_layout"] = {
-            "bounds": [list(b) for b in strategy.layout.bounds],
-            "pipeline_parallel_size": strategy.layout.pipeline_size,
-            "data_parallel_size": strategy.data_parallel_size,
-            "style": strategy.layout.style,
+        checkpoint[INFO_KEY] = {
+            "format_version": FORMAT_VERSION,
+            "state_dict_keys": _merge_order([keys for keys, _ in gathered], prefix),
+            "optimizers": [
+                {"param_groups": _merge_groups([groups[idx] for _, groups in gathered], prefix)}
+                for idx in range(len(optimizers))
+            ],
+            "pipeline_layout": _layout_info(strategy),
         }
-        torch.save(checkpoint, tmp / META_FILENAME)
+        _save_file(checkpoint, tmp / META_FILENAME)
     strategy.barrier("lightning_pipe.save.written")
     if strategy.is_global_zero:
-        remove(path)
-        tmp.rename(path)
+        _commit(tmp, path)
     strategy.barrier("lightning_pipe.save.done")
 
 
+def _commit(tmp: Path, path: Path) -> None:
+    """Move the finished ``tmp`` directory to ``path``, replacing what is there."""
+    old: Optional[Path] = None
+    if path.is_symlink() or path.is_file():
+        path.unlink()  # a link (``save_last="link"``) or a file written by another strategy
+    elif path.exists():
+        old = _sibling(path, _OLD_SUFFIX)
+        if old.exists():
+            remove(old)
+        path.rename(old)
+    tmp.rename(path)
+    _fsync_dir(path.parent)
+    if old is not None:
+        shutil.rmtree(old)
+
+
+def _save_file(obj: Any, path: Path) -> None:
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
 def remove(filepath: Any) -> None:
-    """Delete a checkpoint directory (or a file left by another strategy)."""
+    """Delete a checkpoint directory (or a file or link left by another strategy)."""
     path = Path(filepath)
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path)
@@ -76,58 +152,319 @@ def remove(filepath: Any) -> None:
         path.unlink()
 
 
+def _sibling(path: Path, suffix: str) -> Path:
+    return path.with_name(path.name + suffix)
+
+
+def _layout_info(strategy: PipelineStrategy) -> dict[str, Any]:
+    layout = strategy.layout
+    return {
+        "bounds": [list(b) for b in layout.bounds],
+        "pipeline_parallel_size": layout.pipeline_size,
+        "data_parallel_size": strategy.data_parallel_size,
+        "stages_per_rank": layout.stages_per_rank,
+        "style": layout.style,
+        "backbone": getattr(strategy, "_backbone_path", "backbone"),
+    }
+
+
+# ---------------------------------------------------------------------------------------------------- loading
 def load(strategy: PipelineStrategy, filepath: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
     """Load a checkpoint into the strategy's module and optimizers in place; return the rest for Lightning.
 
     ``filepath`` is a pipelined checkpoint directory (any pipeline layout) or an ordinary single-file Lightning
-    checkpoint, of which each rank takes its stages' weights.
+    checkpoint, of which each rank takes its stages' weights (and, when fitting, their optimizer state).
     """
-    path = Path(filepath)
+    path = _resolve(Path(filepath))
+    if path.is_file():
+        return _load_file(strategy, path, weights_only)
     model = strategy.lightning_module
     strict = model.strict_loading
-    if path.is_file():
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True if weights_only is None else weights_only)
-        _load_local_weights(model, checkpoint["state_dict"], strict, path)
-        checkpoint.pop("optimizer_states", None)
-        return checkpoint
-    if not is_pipeline_checkpoint(path):
-        raise FileNotFoundError(
-            f"`{path}` is not a lightning_pipe checkpoint directory (no `{META_FILENAME}` and `.metadata` in it) nor a"
-            " checkpoint file. Pass the directory ModelCheckpoint wrote, e.g. `.../epoch=0-step=100.ckpt`."
-        )
     checkpoint = torch.load(path / META_FILENAME, map_location="cpu", weights_only=bool(weights_only))
+    checkpoint.pop(INFO_KEY, None)
+    checkpoint.pop("pipeline_layout", None)
     state: dict[str, Any] = {"state_dict": model.state_dict()}
-    optimizers = strategy.optimizers if strategy.lightning_module.trainer.state.fn == "fit" else []
+    # Optimizers are restored when fitting and when the checkpoint has them (not `save_weights_only`); Lightning
+    # itself raises for a weights-only checkpoint because the LR scheduler states are missing then.
+    optimizers = list(strategy.optimizers) if _fitting(model) and "lr_schedulers" in checkpoint else []
     for idx, optimizer in enumerate(optimizers):
         state[f"optimizer_{idx}"] = get_optimizer_state_dict(model, optimizer, options=_OPTIM_OPTIONS)
-    _check_keys(path, state, strict)
-    dcp.load(state, checkpoint_id=path, planner=dcp.DefaultLoadPlanner(allow_partial_load=not strict))
+    stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    _check_against(path, state, stored, strict, strategy.global_rank)
+    try:  # DCP gathers every rank's read errors and raises them on all ranks
+        dcp.load(state, checkpoint_id=path, planner=dcp.DefaultLoadPlanner(allow_partial_load=not strict))
+    except (Exception, CheckpointException) as err:  # CheckpointException is a BaseException
+        raise RuntimeError(
+            f"Reading checkpoint `{path}` failed (reported on rank {strategy.global_rank}): its files are damaged or"
+            f" incomplete. Load an earlier checkpoint. Cause: {_first_line(err)}"
+        ) from err
     model.load_state_dict(state["state_dict"], strict=strict)
     for idx, optimizer in enumerate(optimizers):
         set_optimizer_state_dict(model, optimizer, state[f"optimizer_{idx}"], options=_OPTIM_OPTIONS)
+    checkpoint["state_dict"] = model.state_dict()  # this rank's part, for `on_load_checkpoint` hooks
     return checkpoint
 
 
-def _check_keys(path: Path, state: dict[str, Any], strict: bool) -> None:
-    """Name the missing keys up front instead of letting DCP fail with a planner error."""
-    metadata = dcp.FileSystemReader(path).read_metadata()
-    stored = set(metadata.state_dict_metadata)
-    wanted = {f"{top}.{key}" for top, sub in state.items() for key in sub}
-    missing = sorted(k for k in wanted if k not in stored and (strict or not k.startswith("state_dict.")))
-    if missing:
-        raise KeyError(
-            f"Checkpoint `{path}` lacks {len(missing)} entries this model needs, e.g. {missing[:5]}. Check that it"
-            " was saved from the same model and optimizer configuration, or set `model.strict_loading = False` to"
-            " load the weights that match."
+def _resolve(path: Path) -> Path:
+    if path.exists():
+        if path.is_dir() and not is_pipeline_checkpoint(path):
+            raise FileNotFoundError(
+                f"`{path}` is a directory but not a complete lightning_pipe checkpoint: it lacks `{META_FILENAME}`"
+                " or DCP's `.metadata`. Pass the directory `ModelCheckpoint`/`trainer.save_checkpoint` wrote, e.g."
+                " `.../checkpoints/epoch=0-step=100.ckpt`. Directories ending in"
+                f" `{_TMP_SUFFIX}` are saves that were interrupted and cannot be loaded."
+            )
+        return path
+    old = _sibling(path, _OLD_SUFFIX)
+    if is_pipeline_checkpoint(old):
+        warnings.warn(
+            f"`{path}` does not exist, but `{old}` does: a save replacing it was interrupted. Loading `{old}`.",
+            stacklevel=3,
         )
+        return old
+    raise FileNotFoundError(f"Checkpoint `{path}` does not exist.")
 
 
-def _load_local_weights(model: torch.nn.Module, full: dict[str, Any], strict: bool, path: Path) -> None:
+def _fitting(model: nn.Module) -> bool:
+    trainer = getattr(model, "_trainer", None)
+    return trainer is not None and trainer.state.fn == "fit"
+
+
+def _check_against(path: Path, state: dict[str, Any], stored: dict[str, Any], strict: bool, rank: int) -> None:
+    """Compare what every rank needs with what the checkpoint holds; fail on every rank, naming the problem.
+
+    Names missing on one rank only would otherwise leave the other ranks waiting in DCP's collectives.
+    """
+    missing, mismatched = [], []
+    for top, sub in state.items():
+        for key, value in sub.items():
+            name = f"{top}.{key}"
+            meta = stored.get(name)
+            if meta is None:
+                if strict or top != "state_dict":
+                    missing.append(name)
+            elif isinstance(value, torch.Tensor):
+                size = meta.shape if isinstance(meta, torch.Tensor) else getattr(meta, "size", None)
+                if size is not None and tuple(size) != tuple(value.shape):
+                    mismatched.append(f"{name}: checkpoint {tuple(size)}, model {tuple(value.shape)}")
+    wanted = [f"state_dict.{k}" for k in state["state_dict"]]
+    reports = _all_gather((rank, missing, mismatched, wanted))
+    needed = {k for _, _, _, keys in reports for k in keys}
+    unexpected = sorted(k for k in stored if k.startswith("state_dict.") and k not in needed) if strict else []
+    _raise_mismatch(path, reports, unexpected, rank)
+
+
+def _raise_mismatch(path: Path, reports: list[tuple], unexpected: list[str], rank: int) -> None:
+    lines = []
+    for r, missing, mismatched, _ in reports:
+        weights = [k[len("state_dict.") :] for k in missing if k.startswith("state_dict.")]
+        others = [k for k in missing if not k.startswith("state_dict.")]
+        if weights:
+            lines.append(f"  rank {r}: missing weights ({len(weights)}): {_shorten(weights)}")
+        if others:
+            lines.append(f"  rank {r}: missing optimizer entries ({len(others)}): {_shorten(others, 4)}")
+        if mismatched:
+            lines.append(f"  rank {r}: shape mismatch ({len(mismatched)}): {_shorten(mismatched)}")
+    if unexpected:
+        names = [k[len("state_dict.") :] for k in unexpected]
+        lines.append(f"  in the checkpoint but in no rank's model ({len(names)}): {_shorten(names)}")
+    if not lines:
+        return
+    raise CheckpointMismatchError(
+        f"Checkpoint `{path}` does not match this model (reported on rank {rank}):\n"
+        + "\n".join(lines)
+        + "\nCheck that it was saved from the same model (number of blocks, sizes) and optimizer configuration."
+        " To load only the matching weights set `model.strict_loading = False`; to fine-tune with another optimizer,"
+        " load the weights (`Model.load_from_checkpoint`) and call `trainer.fit` without `ckpt_path`."
+    )
+
+
+def _first_line(err: BaseException) -> str:
+    if isinstance(err, CheckpointException):  # one failure per rank, each (exception, stack)
+        causes = []
+        for rank, failure in sorted(err.failures.items()):
+            exc = failure[0] if isinstance(failure, tuple) else failure
+            causes.append(f"rank {rank}: {_first_line(exc) if isinstance(exc, BaseException) else exc}")
+        return "; ".join(causes)
+    text = str(err).strip()
+    return f"{type(err).__name__}" + (f": {text.splitlines()[0]}" if text else "")
+
+
+def _shorten(names: list[str], limit: int = 8) -> str:
+    return ", ".join(names[:limit]) + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
+
+
+def _load_file(strategy: PipelineStrategy, path: Path, weights_only: Optional[bool]) -> dict[str, Any]:
+    """Each rank takes its stages from an ordinary single-file Lightning checkpoint."""
+    model = strategy.lightning_module
+    strict = model.strict_loading
+    checkpoint = strategy.checkpoint_io.load_checkpoint(path, map_location="cpu", weights_only=weights_only)
+    full = checkpoint.get("state_dict")
+    if not isinstance(full, dict):
+        raise CheckpointMismatchError(f"`{path}` is not a Lightning checkpoint: it has no `state_dict`.")
     local = model.state_dict()
-    missing = [k for k in local if k not in full]
-    if missing and strict:
-        raise KeyError(
-            f"Checkpoint `{path}` has no weights for {len(missing)} parameters of this stage, e.g. {missing[:5]}."
-            " Set `model.strict_loading = False` to load the weights that match."
-        )
+    stored = {f"state_dict.{k}": v for k, v in full.items() if isinstance(v, torch.Tensor)}
+    _check_against(path, {"state_dict": local}, stored, strict, strategy.global_rank)
     model.load_state_dict({k: full[k] for k in local if k in full}, strict=strict)
+    optimizer_states = checkpoint.pop("optimizer_states", None)
+    if _fitting(model) and optimizer_states is not None:
+        prefix = _backbone_prefix(strategy)
+        optimizers = list(strategy.optimizers)
+        gathered = _all_gather([_group_names(model, opt) for opt in optimizers])
+        if len(optimizer_states) != len(optimizers):
+            raise CheckpointMismatchError(
+                f"`{path}` holds {len(optimizer_states)} optimizer states but `configure_optimizers` made"
+                f" {len(optimizers)}."
+            )
+        for idx, (optimizer, saved) in enumerate(zip(optimizers, optimizer_states)):
+            groups = _merge_groups([per_rank[idx] for per_rank in gathered], prefix)
+            _load_full_optimizer_state(model, optimizer, saved, groups, path)
+    checkpoint["state_dict"] = model.state_dict()
+    return checkpoint
+
+
+def _load_full_optimizer_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer, saved: dict[str, Any], groups: list[list[str]], path: Path
+) -> None:
+    """Give ``optimizer`` (this rank's parameters) its part of a single-device optimizer state dict.
+
+    A single-device state dict numbers the parameters group after group; ``groups`` are the full model's groups
+    (gathered from all ranks, in module order), which gives every number its parameter name.
+    """
+    saved_groups = saved["param_groups"]
+    sizes = [len(g["params"]) for g in saved_groups]
+    if sizes != [len(g) for g in groups]:
+        raise CheckpointMismatchError(
+            f"The optimizer state in `{path}` has parameter groups of sizes {sizes}, but this model's optimizer,"
+            f" over all pipeline stages, has {[len(g) for g in groups]}. It was saved for another model or optimizer"
+            " configuration; load the weights only (`Model.load_from_checkpoint`) and fit without `ckpt_path`."
+        )
+    number_of: dict[str, Any] = {}
+    for saved_group, names in zip(saved_groups, groups):
+        names = saved_group.get("param_names", names)
+        number_of.update(zip(names, saved_group["params"]))
+    param_names = _param_names(model)
+    new_state: dict[int, Any] = {}
+    new_groups = []
+    counter = 0
+    for group, saved_group in zip(optimizer.param_groups, saved_groups):
+        numbers = []
+        for param in group["params"]:
+            name = param_names[id(param)]
+            if name not in number_of:
+                raise CheckpointMismatchError(f"The optimizer state in `{path}` has no entry for `{name}`.")
+            entry = saved["state"].get(number_of[name])
+            if entry is not None:
+                for key, value in entry.items():
+                    if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != param.shape:
+                        raise CheckpointMismatchError(
+                            f"The optimizer state `{key}` for `{name}` in `{path}` has shape {tuple(value.shape)}"
+                            f" but the parameter has {tuple(param.shape)}: the optimizer's parameter order differs"
+                            " from the checkpoint's (parameter groups must list parameters in module order)."
+                        )
+                new_state[counter] = entry
+            numbers.append(counter)
+            counter += 1
+        new_group = {k: v for k, v in saved_group.items() if k not in ("params", "param_names")}
+        new_group["params"] = numbers
+        if "param_names" in group:
+            new_group["param_names"] = list(group["param_names"])
+        new_groups.append(new_group)
+    optimizer.load_state_dict({"state": new_state, "param_groups": new_groups})
+
+
+# ---------------------------------------------------------------------------------------------------- names
+def _backbone_prefix(strategy: Any) -> str:
+    return getattr(strategy, "_backbone_path", "backbone") + "."
+
+
+def _param_names(model: nn.Module) -> dict[int, str]:
+    names: dict[int, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), name)
+    return names
+
+
+def _group_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
+    names = _param_names(model)
+    return [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
+
+
+def _merge_order(lists: list[list[str]], prefix: str) -> list[str]:
+    """The full model's order of names, from every rank's local order (each a subsequence of it).
+
+    Names under the backbone go by backbone module index (each module lives on one stage, in its local order);
+    other names (replicated on every rank) keep their place before or after the backbone.
+    """
+    pattern = re.compile(re.escape(prefix) + r"(\d+)(\.|$)")
+    keys: dict[str, tuple] = {}
+    for names in lists:
+        seen_backbone = False
+        for pos, name in enumerate(names):
+            match = pattern.match(name)
+            if match:
+                seen_backbone = True
+                key: tuple = (1, int(match.group(1)), pos)
+            else:
+                key = (2 if seen_backbone else 0, pos, 0)
+            if name not in keys or (key[0] == 2 and keys[name][0] == 0):
+                keys[name] = key
+    return sorted(keys, key=keys.__getitem__)
+
+
+def _merge_groups(per_rank: list[list[list[str]]], prefix: str) -> list[list[str]]:
+    """Merge every rank's parameter groups of one optimizer (same group count on every rank)."""
+    counts = {len(groups) for groups in per_rank}
+    if len(counts) != 1:
+        raise RuntimeError(f"The ranks' optimizers have different numbers of parameter groups: {sorted(counts)}.")
+    return [_merge_order([groups[g] for groups in per_rank], prefix) for g in range(counts.pop())]
+
+
+def _all_gather(obj: Any) -> list[Any]:
+    if not (dist.is_available() and dist.is_initialized()):
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------- load_from_checkpoint
+def _install_load_from_checkpoint_support() -> None:
+    """Let ``Model.load_from_checkpoint(DIR)`` read a lightning_pipe checkpoint directory.
+
+    Lightning 2.6 reads checkpoints with ``torch.load`` on a file and fails on a directory with
+    ``IsADirectoryError``. Its loader (``lightning.pytorch.core.saving.pl_load``) is wrapped so that a complete
+    lightning_pipe checkpoint directory is consolidated in memory (weights and hyper-parameters only, as
+    ``python -m lightning_pipe.consolidate DIR OUT --weights-only`` would write); every other path goes to
+    Lightning unchanged. The process needs no process group: it reads every rank's shards itself.
+    """
+    try:
+        from lightning.pytorch.core import saving
+    except ImportError:  # pragma: no cover
+        return
+    original = getattr(saving, "pl_load", None)
+    if original is None or getattr(original, "_lightning_pipe", False):
+        return
+
+    def pl_load(path_or_url: Any, map_location: Any = None, weights_only: Optional[bool] = None) -> Any:
+        if isinstance(path_or_url, (str, os.PathLike)) and os.path.isdir(path_or_url):
+            if not is_pipeline_checkpoint(path_or_url):
+                raise IsADirectoryError(
+                    f"`{path_or_url}` is a directory, not a checkpoint file, and not a complete lightning_pipe"
+                    f" checkpoint directory either (that holds `{META_FILENAME}` and DCP's `.metadata`; an interrupted"
+                    f" save leaves a `*{_TMP_SUFFIX}` directory instead). Pass a checkpoint file or a complete"
+                    " checkpoint directory."
+                )
+            from lightning_pipe.consolidate import consolidated_checkpoint
+
+            checkpoint = consolidated_checkpoint(path_or_url, weights_only=True)
+            if isinstance(map_location, (str, torch.device)):
+                checkpoint["state_dict"] = {k: v.to(map_location) for k, v in checkpoint["state_dict"].items()}
+            return checkpoint
+        return original(path_or_url, map_location=map_location, weights_only=weights_only)
+
+    pl_load._lightning_pipe = True  # type: ignore[attr-defined]
+    saving.pl_load = pl_load
+
+
+_install_load_from_checkpoint_support()

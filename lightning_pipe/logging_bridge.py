@@ -2,10 +2,13 @@
 
 On the last stage the user's step runs once per microbatch (training) or once on the gathered batch
 (evaluation). While it runs, ``LightningModule.log`` is replaced by a :class:`LogRecorder`. Afterwards the
-recorded values are reduced over microbatches with each call's own ``reduce_fx`` (``"mean"`` by default, so a
-mean loss becomes the full-batch mean), sent to every rank of the pipeline and logged there for real, once
-per key. Every rank therefore logs the same keys with the same values, and ``sync_dist=True`` is matched
-collectively on all ranks instead of deadlocking on one stage.
+recorded values are averaged over the microbatches, weighted by their sizes: a value logged from a step is a
+statistic of its batch (a mean loss, an accuracy), and the size-weighted mean of microbatch means is the
+full-batch mean. ``reduce_fx`` keeps its Lightning meaning, the reduction across steps. The values are sent to
+every rank of the pipeline and logged there for real, once per key. Every rank therefore logs the same keys
+with the same values, and ``sync_dist=True`` is matched collectively on all ranks instead of deadlocking on
+one stage; it reduces over the data-parallel replicas only, since the stages of one pipeline hold copies of
+the same value.
 """
 
 from __future__ import annotations
@@ -22,7 +25,6 @@ from lightning.pytorch import LightningModule
 from torchmetrics import Metric
 
 _LOG_SIGNATURE = inspect.signature(LightningModule.log)
-_REDUCERS = {"mean": torch.mean, "sum": torch.sum, "max": torch.max, "min": torch.min}
 
 
 class LogRecorder:
@@ -32,14 +34,15 @@ class LogRecorder:
         self.values: dict[str, list[Any]] = {}
         self.options: dict[str, dict[str, Any]] = {}
         self.batch_sizes: dict[str, list[int]] = {}
+        self.rows = 0  # size of the (micro)batch the step is running on
 
     def __call__(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
         bound = _LOG_SIGNATURE.bind(None, name, value, *args, **kwargs)
         options = {k: v for k, v in bound.arguments.items() if k not in ("self", "name", "value")}
         self.values.setdefault(name, []).append(value)
         self.options[name] = options
-        if options.get("batch_size") is not None:
-            self.batch_sizes.setdefault(name, []).append(int(options["batch_size"]))
+        given = options.get("batch_size")
+        self.batch_sizes.setdefault(name, []).append(int(given) if given is not None else self.rows)
 
     @contextmanager
     def installed(self, module: LightningModule) -> Iterator["LogRecorder"]:
@@ -60,7 +63,7 @@ class LogRecorder:
         metric_names = {id(m): n for n, m in module.named_modules() if isinstance(m, Metric)}
         for name, values in self.values.items():
             options = dict(self.options[name])
-            if name in self.batch_sizes:
+            if options.get("batch_size") is not None:
                 options["batch_size"] = sum(self.batch_sizes[name])
             last = values[-1]
             if isinstance(last, Metric):
@@ -71,7 +74,7 @@ class LogRecorder:
                     )
                 entries.append((name, _MetricRef(metric_names[id(last)]), options))
                 continue
-            entries.append((name, _reduce(name, values, options.get("reduce_fx", "mean")), options))
+            entries.append((name, _weighted_mean(name, values, self.batch_sizes[name]), options))
         return entries
 
 
@@ -82,7 +85,7 @@ class _MetricRef:
         self.path = path
 
 
-def _reduce(name: str, values: list[Any], reduce_fx: Any) -> Any:
+def _weighted_mean(name: str, values: list[Any], weights: list[int]) -> torch.Tensor:
     tensors = []
     for v in values:
         if isinstance(v, torch.Tensor):
@@ -92,16 +95,12 @@ def _reduce(name: str, values: list[Any], reduce_fx: Any) -> Any:
         else:
             raise TypeError(f"`self.log({name!r}, ...)` got a {type(v).__name__}; log tensors, numbers or metrics.")
     if len(tensors) == 1:
-        out = tensors[0]
-    else:
-        stacked = torch.stack([t.to(tensors[0].device) for t in tensors])
-        fn = _REDUCERS.get(reduce_fx, reduce_fx) if isinstance(reduce_fx, str) else reduce_fx
-        if fn is None or not callable(fn):
-            raise ValueError(f"`self.log({name!r}, reduce_fx={reduce_fx!r})`: unsupported reduction.")
-        out = fn(stacked, dim=0) if fn in (torch.mean, torch.sum) else fn(stacked, 0)
-        if isinstance(out, tuple):  # torch.max/min return (values, indices)
-            out = out[0]
-    return out
+        return tensors[0]
+    stacked = torch.stack([t.to(tensors[0].device) for t in tensors])
+    if len(set(weights)) == 1:
+        return stacked.mean(0)
+    w = torch.tensor(weights, dtype=stacked.dtype, device=stacked.device).view(-1, *([1] * (stacked.dim() - 1)))
+    return (stacked * w).sum(0) / w.sum()
 
 
 def share(payload: Any, src: int, group: Optional[dist.ProcessGroup], size: int) -> Any:
@@ -125,11 +124,18 @@ def _to_cpu(obj: Any) -> Any:
     return obj
 
 
-def replay(module: LightningModule, entries: list[tuple[str, Any, dict[str, Any]]], device: torch.device) -> None:
-    """Log each reduced entry for real on this rank."""
+def replay(
+    module: LightningModule,
+    entries: list[tuple[str, Any, dict[str, Any]]],
+    device: torch.device,
+    replica_group: Optional[dist.ProcessGroup],
+) -> None:
+    """Log each reduced entry for real on this rank; ``sync_dist`` reduces over ``replica_group``."""
     for name, value, options in entries:
         if isinstance(value, _MetricRef):
             value = module.get_submodule(value.path)
         elif isinstance(value, torch.Tensor):
             value = value.to(device)
+        if options.get("sync_dist") and options.get("sync_dist_group") is None:
+            options = {**options, "sync_dist_group": replica_group}
         module.log(name, value, **options)

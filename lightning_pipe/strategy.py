@@ -402,6 +402,7 @@ class PipelineStrategy(ParallelStrategy):
         def microbatch_loss(output: Tensor, rows: Tensor) -> Tensor:
             start, stop = int(rows[0]), int(rows[-1]) + 1
             sub_batch = slice_batch(batch, batch_size, start, stop)
+            recorder.rows = stop - start
             with recorder.installed(module):
                 result = run_with_output(backbone, output, step, sub_batch, *rest, **kwargs)
             loss = _loss_of(result)
@@ -414,7 +415,7 @@ class PipelineStrategy(ParallelStrategy):
         if pipeline.has_last_stage:
             payload = (torch.stack(losses).mean(), recorder.reduce(module))
         loss, entries = share(payload, pipeline.last_stage_rank, pipeline.group, self.pipeline_parallel_size)
-        replay(module, entries, self.root_device)
+        replay(module, entries, self.root_device, self.device_mesh.get_group("dp"))
         return loss.to(self.root_device)
 
     @override
@@ -442,11 +443,12 @@ class PipelineStrategy(ParallelStrategy):
         payload = None
         if pipeline.has_last_stage:
             recorder = LogRecorder()
+            recorder.rows = int(inputs[0].shape[0])
             with recorder.installed(module):
                 result = run_with_output(backbone, output, step, *args, **kwargs)
             payload = (result, recorder.reduce(module))
         result, entries = share(payload, pipeline.last_stage_rank, pipeline.group, self.pipeline_parallel_size)
-        replay(module, entries, self.root_device)
+        replay(module, entries, self.root_device, self.device_mesh.get_group("dp"))
         return apply_to_collection(result, Tensor, lambda t: t.to(self.root_device))
 
     def _capture(self, backbone: LocalBackbone, step: Any, *args: Any, **kwargs: Any) -> tuple[Tensor, ...]:
@@ -580,16 +582,17 @@ class PipelineStrategy(ParallelStrategy):
 
 
 def _resolve_sizes(pp: _Size, dp: _Size, world_size: int) -> tuple[int, int]:
+    given_pp, given_dp = pp, dp
     if pp == "auto":
-        pp = world_size if dp == "auto" else world_size // dp
+        pp = world_size if dp == "auto" else max(world_size // dp, 1)
     if dp == "auto":
-        dp = world_size // pp if pp else 0
-    if pp < 1 or dp < 1 or pp * dp != world_size:
+        dp = max(world_size // pp, 1)
+    if pp * dp != world_size:
         raise ValueError(
-            f"`PipelineStrategy(pipeline_parallel_size={pp}, data_parallel_size={dp})` needs"
+            f"`PipelineStrategy(pipeline_parallel_size={given_pp!r}, data_parallel_size={given_dp!r})` needs"
             f" {pp} * {dp} = {pp * dp} processes, but the Trainer runs {world_size} (devices * num_nodes)."
             " Make pipeline_parallel_size * data_parallel_size equal the number of processes, or leave one of them"
-            " 'auto'."
+            " 'auto' and use a process count it divides."
         )
     return pp, dp
 

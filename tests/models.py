@@ -21,7 +21,7 @@ class Block(nn.Module):
         super().__init__()
         self.heads = heads
         self.norm1 = nn.LayerNorm(dim)
-        self.qkv = nn.Linear(dim, 3 * dim)
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)  # a key bias has a zero gradient: Adam would amplify noise
         self.proj = nn.Linear(dim, dim)
         self.norm2 = nn.LayerNorm(dim)
         self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
@@ -104,8 +104,22 @@ def token_data(n: int = 48, seed: int = 0) -> TensorDataset:
     return TensorDataset(x, y)
 
 
-def loader(n: int = 48, batch_size: int = 8, seed: int = 0, drop_last: bool = False) -> DataLoader:
-    return DataLoader(token_data(n, seed), batch_size=batch_size, shuffle=False, drop_last=drop_last)
+def loader(n: int = 48, batch_size: int = 8, seed: int = 0, drop_last: bool = False, shuffle: bool = False) -> DataLoader:
+    return DataLoader(token_data(n, seed), batch_size=batch_size, shuffle=shuffle, drop_last=drop_last)
+
+
+class TokenData(L.LightningDataModule):
+    """Random tokens; for the LightningCLI tests."""
+
+    def __init__(self, n: int = 48, batch_size: int = 8) -> None:
+        super().__init__()
+        self.n, self.batch_size = n, batch_size
+
+    def train_dataloader(self) -> DataLoader:
+        return loader(self.n, self.batch_size)
+
+    def val_dataloader(self) -> DataLoader:
+        return loader(16, self.batch_size, seed=1)
 
 
 def make_model(seed: int = 1234, **kwargs: Any) -> TinyLM:

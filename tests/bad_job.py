@@ -1,0 +1,61 @@
+"""Jobs that must fail: ``python tests/bad_job.py CASE``. Used by test_errors.py."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import lightning as L
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import models  # noqa: E402
+
+from lightning_pipe import PipelineStrategy  # noqa: E402
+
+
+class RaisesInStep(models.TinyLM):
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.failing_rank = rank
+
+    def training_step(self, batch, batch_idx):  # noqa: ANN001
+        failing = batch_idx == 2 and self.global_rank == self.failing_rank
+        if failing and self.failing_rank == 0:  # before the backbone call: runs on the first stage
+            raise RuntimeError(f"user error on rank {self.global_rank}")
+        loss = super().training_step(batch, batch_idx)  # after the backbone call: runs on the last stage
+        if failing:
+            raise RuntimeError(f"user error on rank {self.global_rank}")
+        return loss
+
+
+class ExtraParam(models.TinyLM):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones(1))
+
+
+def main(case: str) -> None:
+    torch.manual_seed(0)
+    strategy: dict = {"num_microbatches": 2}
+    model: L.LightningModule = models.TinyLM()
+    if case == "raise-last":
+        model = RaisesInStep(rank=1)
+    elif case == "raise-first":
+        model = RaisesInStep(rank=0)
+    elif case == "extra-param":
+        model = ExtraParam()
+    elif case == "too-few-microbatches":
+        strategy = {"schedule": "1F1B", "num_microbatches": 1}
+    elif case == "too-many-stages":
+        model = models.TinyLM(blocks=0)  # 3 modules
+        strategy = {"schedule": "Interleaved1F1B"}  # 4 stages
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=PipelineStrategy(**strategy), max_steps=5, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )
+    trainer.fit(model, models.loader())
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

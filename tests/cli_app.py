@@ -1,0 +1,14 @@
+"""A LightningCLI app for the CLI tests: ``python tests/cli_app.py fit --trainer.strategy pipeline ...``."""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from lightning.pytorch.cli import LightningCLI  # noqa: E402
+
+import lightning_pipe  # noqa: E402,F401  (registers the "pipeline" strategy names)
+import models  # noqa: E402
+
+if __name__ == "__main__":
+    LightningCLI(models.TinyLM, models.TokenData, save_config_kwargs={"overwrite": True})

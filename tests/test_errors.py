@@ -1,0 +1,137 @@
+"""Bad input fails at setup with a message that names the fix; a crash in any stage ends the whole job."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+
+import models
+from helpers import run_script
+from lightning_pipe import PipelineStrategy
+from lightning_pipe.backbone import BackboneCallError
+
+HERE = Path(__file__).resolve().parent
+
+
+def fit(model: L.LightningModule, batch_size: int = 8, **strategy) -> None:
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, strategy=PipelineStrategy(**strategy), max_steps=2, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )
+    trainer.fit(model, models.loader(n=16, batch_size=batch_size))
+
+
+class NoBackbone(models.TinyLM):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = self.backbone
+        del self.backbone
+
+    def forward(self, x):  # noqa: ANN001
+        return self.layers(x)
+
+
+class NotSequential(models.TinyLM):
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = nn.ModuleList(list(self.backbone))
+
+
+class Manual(models.TinyLM):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+
+class CallsTwice(models.TinyLM):
+    def training_step(self, batch, batch_idx):  # noqa: ANN001
+        x, y = batch
+        return (self(x) + self(x)).mean()
+
+
+class NeverCalls(models.TinyLM):
+    def training_step(self, batch, batch_idx):  # noqa: ANN001
+        return torch.zeros((), requires_grad=True)
+
+
+class FrozenOutside(models.TinyLM):
+    def __init__(self) -> None:
+        super().__init__()
+        self.frozen = nn.Linear(2, 2).requires_grad_(False)
+
+
+@pytest.mark.parametrize(
+    ("model", "strategy", "batch_size", "error", "match"),
+    [
+        (NoBackbone, {}, 8, AttributeError, r"no attribute `backbone`.*Sequential modules found: \['layers'"),
+        (models.TinyLM, {"backbone": "model.body"}, 8, AttributeError, "no attribute `model`"),
+        (NotSequential, {}, 8, TypeError, "must name an `nn.Sequential`.*ModuleList"),
+        (lambda: models.TinyLM(blocks=0), {"schedule": "ZBVZeroBubble", "balance": [1, 1]}, 8, ValueError, "add up to the 3 backbone modules"),
+        (Manual, {}, 8, ValueError, "manual optimization.*not supported"),
+        (models.TinyLM, {"num_microbatches": 16}, 8, ValueError, "batch size is 8.*lower `num_microbatches` to at most 8"),
+        (models.TinyLM, {"pipeline_parallel_size": 2}, 8, ValueError, r"needs 2 \* 1 = 2 processes, but the Trainer runs 1"),
+        (CallsTwice, {"num_microbatches": 2}, 8, BackboneCallError, "called the pipelined backbone twice"),
+        (NeverCalls, {}, 8, BackboneCallError, "without calling the pipelined backbone"),
+    ],
+)
+def test_bad_input_is_refused(model, strategy, batch_size, error, match):
+    with pytest.raises(error, match=match):
+        fit(model(), batch_size=batch_size, **strategy)
+
+
+def test_trainable_parameters_outside_the_backbone_are_refused_but_frozen_ones_allowed():
+    class Outside(models.TinyLM):
+        def __init__(self) -> None:
+            super().__init__()
+            self.extra = nn.Linear(2, 2)
+
+    with pytest.raises(ValueError, match=r"trainable parameters are outside it: \['extra.weight'.*requires_grad_"):
+        fit(Outside())
+    fit(FrozenOutside())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"schedule": "2F2B"}, r"Unknown `schedule='2F2B'`. Choose one of \['1F1B', 'GPipe'"),
+        ({"num_microbatches": 0}, "must be a positive integer or 'auto'"),
+        ({"schedule": "GPipe", "stages_per_rank": 2}, "runs one stage per process.*Interleaved1F1B"),
+        ({"schedule": "ZBVZeroBubble", "stages_per_rank": 3}, "exactly 2 stages per process"),
+        ({"balance": "flops"}, r"balance='flops'\)` is unknown"),
+    ],
+)
+def test_bad_arguments_fail_at_construction(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        PipelineStrategy(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("case", "match"),
+    [
+        ("extra-param", "trainable parameters are outside it"),
+        ("too-few-microbatches", r"num_microbatches=1\)` is not valid for 2 stages.*Raise `num_microbatches`"),
+        ("too-many-stages", "cannot be split into 4 non-empty stages"),
+    ],
+)
+def test_setup_errors_reach_every_rank_without_hanging(case, match, tmp_path):
+    import re
+
+    start = time.monotonic()
+    proc = run_script([str(HERE / "bad_job.py"), case], cwd=tmp_path, timeout=90)
+    assert proc.returncode != 0
+    assert len(re.findall(match, proc.stdout)) >= 2, proc.stdout[-4000:]  # raised on both ranks
+    assert time.monotonic() - start < 60
+
+
+@pytest.mark.parametrize("case", ["raise-last", "raise-first"])
+def test_an_exception_in_one_stage_ends_the_job(case, tmp_path):
+    start = time.monotonic()
+    proc = run_script([str(HERE / "bad_job.py"), case], cwd=tmp_path, timeout=120)
+    assert proc.returncode != 0
+    assert "user error on rank" in proc.stdout, proc.stdout[-4000:]
+    assert time.monotonic() - start < 60
