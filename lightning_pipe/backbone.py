@@ -45,6 +45,8 @@ class LocalBackbone(nn.Sequential):
         self.num_modules = num_modules
         self.indices = list(keep)
         self._handler: Optional[Callable[..., Any]] = None
+        self.layout: Any = None  # the StageLayout it was split with, set by the strategy
+        self.stage_wrappers: dict[Any, nn.Module] = {}  # runtime wrappers (DDP, checkpointing), not submodules
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._handler is None:

@@ -66,7 +66,7 @@ def is_pipeline_checkpoint(path: Any) -> bool:
     return path.is_dir() and (path / META_FILENAME).is_file() and (path / ".metadata").is_file()
 
 
-# ---------------------------------------------------------------------------------------------------- saving
+# ------------------------------------------------------------------------------------------------------------- saving
 def save(strategy: PipelineStrategy, checkpoint: dict[str, Any], filepath: Any) -> None:
     """Write ``checkpoint`` to the directory ``filepath``; called on every rank with the same path."""
     path = Path(filepath)
@@ -84,7 +84,7 @@ def save(strategy: PipelineStrategy, checkpoint: dict[str, Any], filepath: Any) 
     state: dict[str, Any] = {"state_dict": checkpoint.pop("state_dict")}
     optimizers = list(strategy.optimizers) if with_optimizers else []
     for idx, optimizer in enumerate(optimizers):
-        state[f"optimizer_{idx}"] = get_optimizer_state_dict(model, optimizer, options=_OPTIM_OPTIONS)
+        state[f"optimizer_{idx}"] = _optimizer_state_for_save(model, optimizer)
     prefix = _backbone_prefix(strategy)
     # Names only: the order of the full model's state dict and of every optimizer's parameter groups.
     local = (list(state["state_dict"]), [_group_names(model, opt) for opt in optimizers])
@@ -168,7 +168,7 @@ def _layout_info(strategy: PipelineStrategy) -> dict[str, Any]:
     }
 
 
-# ---------------------------------------------------------------------------------------------------- loading
+# ------------------------------------------------------------------------------------------------------------ loading
 def load(strategy: PipelineStrategy, filepath: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
     """Load a checkpoint into the strategy's module and optimizers in place; return the rest for Lightning.
 
@@ -187,9 +187,15 @@ def load(strategy: PipelineStrategy, filepath: Any, weights_only: Optional[bool]
     # Optimizers are restored when fitting and when the checkpoint has them (not `save_weights_only`); Lightning
     # itself raises for a weights-only checkpoint because the LR scheduler states are missing then.
     optimizers = list(strategy.optimizers) if _fitting(model) and "lr_schedulers" in checkpoint else []
-    for idx, optimizer in enumerate(optimizers):
-        state[f"optimizer_{idx}"] = get_optimizer_state_dict(model, optimizer, options=_OPTIM_OPTIONS)
     stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    stepped = [any(k.startswith(f"optimizer_{idx}.state.") for k in stored) for idx in range(len(optimizers))]
+    for idx, optimizer in enumerate(optimizers):
+        # The template of what to read. An optimizer saved before its first step has hyper-parameters only.
+        state[f"optimizer_{idx}"] = (
+            get_optimizer_state_dict(model, optimizer, options=_OPTIM_OPTIONS)
+            if stepped[idx]
+            else _flat_param_groups(model, optimizer)
+        )
     _check_against(path, state, stored, strict, strategy.global_rank)
     try:  # DCP gathers every rank's read errors and raises them on all ranks
         dcp.load(state, checkpoint_id=path, planner=dcp.DefaultLoadPlanner(allow_partial_load=not strict))
@@ -200,7 +206,10 @@ def load(strategy: PipelineStrategy, filepath: Any, weights_only: Optional[bool]
         ) from err
     model.load_state_dict(state["state_dict"], strict=strict)
     for idx, optimizer in enumerate(optimizers):
-        set_optimizer_state_dict(model, optimizer, state[f"optimizer_{idx}"], options=_OPTIM_OPTIONS)
+        if stepped[idx]:
+            set_optimizer_state_dict(model, optimizer, state[f"optimizer_{idx}"], options=_OPTIM_OPTIONS)
+        else:
+            _set_param_groups(model, optimizer, state[f"optimizer_{idx}"])
     checkpoint["state_dict"] = model.state_dict()  # this rank's part, for `on_load_checkpoint` hooks
     return checkpoint
 
@@ -228,6 +237,36 @@ def _resolve(path: Path) -> Path:
 def _fitting(model: nn.Module) -> bool:
     trainer = getattr(model, "_trainer", None)
     return trainer is not None and trainer.state.fn == "fit"
+
+
+def _optimizer_state_for_save(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    if not optimizer.state and all(p.grad is None for g in optimizer.param_groups for p in g["params"]):
+        # Not stepped yet. `get_optimizer_state_dict` would initialise the state with a zero-lr step (Adam's step
+        # count would become 1 and change the run): save the hyper-parameters only.
+        return _flat_param_groups(model, optimizer)
+    return get_optimizer_state_dict(model, optimizer, options=_OPTIM_OPTIONS)
+
+
+def _flat_param_groups(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The ``param_groups.<name>.<key>`` entries of the flattened optimizer state dict."""
+    names = _param_names(model)
+    return {
+        f"param_groups.{names[id(p)]}.{key}": value
+        for group in optimizer.param_groups
+        for p in group["params"]
+        for key, value in group.items()
+        if key != "params"
+    }
+
+
+def _set_param_groups(model: nn.Module, optimizer: torch.optim.Optimizer, flat: dict[str, Any]) -> None:
+    names = _param_names(model)
+    for group in optimizer.param_groups:
+        if group["params"]:
+            name = names[id(group["params"][0])]
+            for key in list(group):
+                if key != "params" and f"param_groups.{name}.{key}" in flat:
+                    group[key] = flat[f"param_groups.{name}.{key}"]
 
 
 def _check_against(path: Path, state: dict[str, Any], stored: dict[str, Any], strict: bool, rank: int) -> None:
@@ -373,7 +412,7 @@ def _load_full_optimizer_state(
     optimizer.load_state_dict({"state": new_state, "param_groups": new_groups})
 
 
-# ---------------------------------------------------------------------------------------------------- names
+# -------------------------------------------------------------------------------------------------------------- names
 def _backbone_prefix(strategy: Any) -> str:
     return getattr(strategy, "_backbone_path", "backbone") + "."
 
@@ -428,7 +467,7 @@ def _all_gather(obj: Any) -> list[Any]:
     return out
 
 
-# ---------------------------------------------------------------------------------------------------- load_from_checkpoint
+# ----------------------------------------------------------------------------------------------- load_from_checkpoint
 def _install_load_from_checkpoint_support() -> None:
     """Let ``Model.load_from_checkpoint(DIR)`` read a lightning_pipe checkpoint directory.
 

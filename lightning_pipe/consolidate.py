@@ -158,27 +158,36 @@ def _set_nested(target: dict[str, Any], keys: list[str], value: Any) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    script = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else ""
     parser = argparse.ArgumentParser(
-        prog="python -m lightning_pipe.consolidate",
+        prog=script if script.startswith("lightning-pipe-consolidate") else "python -m lightning_pipe.consolidate",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         description=(
-            "Consolidate a lightning_pipe (PipelineStrategy) checkpoint directory, saved with "
-            "torch.distributed.checkpoint by every pipeline rank, into one ordinary Lightning checkpoint file. "
-            "Runs in a single process on CPU; no GPU and no process group are needed. The output has the whole "
-            "model's state_dict under its original parameter names plus hyper-parameters, epoch, global_step, "
-            "loops, callbacks, LR schedulers and the optimizer states in torch.optim format, so "
-            "`MyModel.load_from_checkpoint(OUT)` loads it without any strategy and `trainer.fit(model, "
-            "ckpt_path=OUT)` resumes from it."
+            "Consolidate a lightning_pipe (PipelineStrategy) checkpoint directory into one ordinary Lightning\n"
+            "checkpoint file. The directory was written with torch.distributed.checkpoint by every pipeline rank,\n"
+            "each saving its own stages; this reads all of them in a single process on CPU (no GPU, no process\n"
+            "group, any number of ranks at save time).\n\n"
+            "The output is what single-device training would have saved: the whole model's state_dict under its\n"
+            "original parameter names, hyper_parameters, epoch, global_step, loops, callbacks, LR schedulers and\n"
+            "the optimizer states in torch.optim format. So `MyModel.load_from_checkpoint(OUT)` loads it without\n"
+            "any strategy, and `trainer.fit(model, ckpt_path=OUT)` resumes from it on any strategy."
         ),
-        epilog="Example: python -m lightning_pipe.consolidate lightning_logs/version_0/checkpoints/last.ckpt model.ckpt",
+        epilog=(
+            "examples:\n"
+            "  python -m lightning_pipe.consolidate lightning_logs/version_0/checkpoints/last.ckpt model.ckpt\n"
+            "  lightning-pipe-consolidate 'checkpoints/epoch=9-step=1000.ckpt' weights.ckpt --weights-only"
+        ),
     )
-    parser.add_argument("checkpoint_dir", help="checkpoint directory written by PipelineStrategy (e.g. .../last.ckpt)")
-    parser.add_argument("output", help="path of the single checkpoint file to write")
+    parser.add_argument(
+        "checkpoint_dir", metavar="CKPT_DIR", help="checkpoint directory written by PipelineStrategy (e.g. .../last.ckpt)"
+    )
+    parser.add_argument("output", metavar="OUT.ckpt", help="path of the single checkpoint file to write")
     parser.add_argument(
         "--weights-only",
         action="store_true",
         help="leave out optimizer, LR scheduler and callback states (like ModelCheckpoint(save_weights_only=True))",
     )
-    parser.add_argument("--overwrite", action="store_true", help="replace OUTPUT if it exists")
+    parser.add_argument("--overwrite", action="store_true", help="replace OUT.ckpt if it exists")
     args = parser.parse_args(argv)
     out = Path(args.output)
     if out.exists() and not args.overwrite:

@@ -44,3 +44,30 @@ def plugin_device(optimizer: Optimizer) -> torch.device:
         for p in group["params"]:
             return p.device
     return torch.device("cpu")
+
+
+def agree_on_overflow(plugin: Precision) -> None:
+    """With a gradient scaler (``precision="16-mixed"``), make every rank skip or take the step together.
+
+    ``GradScaler.unscale_`` decides from the local gradients only, so one stage could skip the step while the
+    others take it, and their loss scales would drift apart. After unscaling, the found-inf flags are combined
+    with a MAX over all processes. ``GradScaler`` keeps these flags in a private per-optimizer state; this is
+    the one place that reads it.
+    """
+    scaler = getattr(plugin, "scaler", None)
+    if scaler is None or getattr(scaler, "_lightning_pipe_agrees", False):
+        return
+    unscale = scaler.unscale_
+
+    def unscale_and_agree(optimizer: Optimizer) -> None:
+        unscale(optimizer)
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return
+        flags = list(scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values())
+        found = torch.stack([f.float() for f in flags]).amax() if flags else torch.zeros((), device=plugin_device(optimizer))
+        dist.all_reduce(found, op=dist.ReduceOp.MAX)
+        for flag in flags:
+            flag.copy_(found)
+
+    scaler.unscale_ = unscale_and_agree
+    scaler._lightning_pipe_agrees = True

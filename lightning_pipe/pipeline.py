@@ -72,6 +72,7 @@ class StagePipeline:
         num_microbatches: microbatches per full batch.
         group: the process group of this pipeline (one replica).
         device: the device the stages run on.
+        wrap: ``(module, stage) -> module`` run by the stage (e.g. DDP); shapes are inferred on the unwrapped one.
     """
 
     def __init__(
@@ -82,7 +83,9 @@ class StagePipeline:
         num_microbatches: int,
         group: dist.ProcessGroup,
         device: torch.device,
+        wrap: Optional[Callable[[nn.Module, int], nn.Module]] = None,
     ) -> None:
+        self._wrap = wrap or (lambda module, stage: module)
         self.schedule_name, self.schedule_class, self.multi_stage = resolve_schedule(schedule_name)
         self.stage_modules = stage_modules
         self.layout = layout
@@ -169,9 +172,8 @@ class StagePipeline:
                     "input_args": tuple(_meta_tensor(m, requires_grad=grads_in) for m in inputs),
                     "output_args": tuple(_meta_tensor(m, requires_grad=training) for m in outputs),
                 }
-            stages.append(
-                PipelineStage(module, index, self.layout.num_stages, self.device, group=self.group, **kwargs)
-            )
+            runtime = self._wrap(module, index)
+            stages.append(PipelineStage(runtime, index, self.layout.num_stages, self.device, group=self.group, **kwargs))
         return stages
 
     def _make_schedule(self, stages: list[PipelineStage], num_microbatches: int, training: bool) -> Any:

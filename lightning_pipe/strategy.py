@@ -10,7 +10,7 @@ from collections import OrderedDict
 from collections.abc import Generator
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Literal, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -49,7 +49,8 @@ from lightning_pipe.backbone import (
     run_with_output,
     slice_batch,
 )
-from lightning_pipe.gradients import clip_by_global_norm
+from lightning_pipe import stage as _stage
+from lightning_pipe.gradients import agree_on_overflow, clip_by_global_norm
 from lightning_pipe.logging_bridge import LogRecorder, replay, share
 from lightning_pipe.partition import BALANCE_MODES, StageLayout, make_layout
 from lightning_pipe.pipeline import SCHEDULE_NAMES, StagePipeline, microbatches_for, placement_style, resolve_schedule
@@ -88,6 +89,9 @@ class PipelineStrategy(ParallelStrategy):
         balance: how modules are assigned to stages: ``"uniform"`` (same module count per stage, the first
             stages take the remainder), ``"parameters"`` (minimise the largest stage's parameter count), or an
             explicit list with the number of modules of each stage.
+        activation_checkpointing: recompute activations in backward instead of keeping them. ``True``: every
+            backbone module of every stage; a list of class names (e.g. ``["Block"]``) or a callable
+            ``module -> bool``: the backbone modules it selects. Results are unchanged; memory goes down.
         accelerator: as for every Lightning strategy; normally set by the Trainer.
         parallel_devices: as for every Lightning strategy; normally set by the Trainer.
         cluster_environment: as for every Lightning strategy; normally set by the Trainer.
@@ -108,6 +112,7 @@ class PipelineStrategy(ParallelStrategy):
         stages_per_rank: _Size = "auto",
         backbone: str = "backbone",
         balance: Union[str, list[int]] = "uniform",
+        activation_checkpointing: Union[bool, list[str], Callable[[nn.Module], bool]] = False,
         accelerator: Optional[Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -156,6 +161,7 @@ class PipelineStrategy(ParallelStrategy):
         self._stages_per_rank: int = stages_per_rank
         self._backbone_path = backbone
         self._balance = balance
+        self._activation_checkpointing = activation_checkpointing
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._device_mesh: Optional[DeviceMesh] = None
@@ -286,23 +292,28 @@ class PipelineStrategy(ParallelStrategy):
                 " loss from `training_step`; Lightning then steps the optimizers."
             )
         backbone = self._split(module)
+        _stage.materialize_local(module, backbone, self.root_device)
         self.model = self.precision_plugin.convert_module(module)
         self.model_to_device()
-        stage_modules = {
-            stage: nn.Sequential(OrderedDict((str(i), backbone.module_at(i)) for i in range(*backbone.layout.bounds[stage])))
-            for stage in backbone.layout.rank_stages(self.pipeline_rank)
-        }
         self._pipeline = StagePipeline(
-            stage_modules,
+            _stage.stage_modules(backbone, self.pipeline_rank),
             backbone.layout,
             self._schedule_name,
             self._microbatch_count(),
             self.device_mesh.get_group("pp"),
             self.root_device,
+            wrap=functools.partial(
+                _stage.wrap_stage,
+                backbone=backbone,
+                checkpointing=self._activation_checkpointing,
+                replica_group=self.device_mesh.get_group("dp") if self.data_parallel_size > 1 else None,
+                device=self.root_device,
+            ),
         )
         self._pipeline.check_schedule()
         self._params = [p for p in module.parameters() if p.requires_grad]
         _use_global_norm_clipping(self.precision_plugin, self.device_mesh.get_group("pp"))
+        agree_on_overflow(self.precision_plugin)
         if fitting:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
@@ -342,6 +353,7 @@ class PipelineStrategy(ParallelStrategy):
         layout = make_layout(costs, self.pipeline_parallel_size, self._stages_per_rank, self._balance, style)
         local = LocalBackbone(backbone, layout.rank_modules(self.pipeline_rank), len(backbone))
         local.layout = layout
+        del backbone  # the other ranks' modules: on the meta device they were never allocated
         setattr(parent, name, local)
         rank_zero_info(f"PipelineStrategy ({self._schedule_name}): {layout.describe()}")
         return local
@@ -354,8 +366,17 @@ class PipelineStrategy(ParallelStrategy):
     @contextmanager
     @override
     def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
+        """``trainer.init_module(empty_init=True)`` builds on the meta device: after the split, each rank
+        materialises only its own stages (see :func:`lightning_pipe.stage.materialize_local`)."""
         empty_init_context = torch.device("meta") if empty_init else nullcontext()
         with empty_init_context, self.precision_plugin.tensor_init_context():
+            yield
+
+    @contextmanager
+    @override
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        """``configure_model`` builds on the meta device; each rank then materialises only its own stages."""
+        with torch.device("meta"):
             yield
 
     @override

@@ -32,14 +32,38 @@ class Recorder(L.Callback):
         self.hooks: dict[str, int] = {}
         self.val: list[dict[str, float]] = []
         self.first_rows: list[list[int]] = []
+        self.initial: dict[str, torch.Tensor] | None = None
+        self.count_saved = False
+        self.saved_bytes: list[int] = []
+        self.inf_at_step: int | None = None  # put an inf into one gradient of the last rank at this step
+        self.params_before_inf_step: dict[str, torch.Tensor] = {}
+        self.params_after_inf_step: dict[str, torch.Tensor] = {}
+        self.scales: list[float] = []
 
     def _count(self, name: str) -> None:
         self.hooks[name] = self.hooks.get(name, 0) + 1
 
+    def on_train_start(self, trainer, pl_module):  # noqa: ANN001
+        if self.initial is None:  # after setup: a meta-built model is materialised by now
+            self.initial = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
+
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):  # noqa: ANN001
         self.first_rows.append(batch[0][:, 0].tolist())
+        if self.count_saved:
+            self.saved_bytes.append(0)
+
+            def pack(t: torch.Tensor) -> torch.Tensor:
+                self.saved_bytes[-1] += t.numel() * t.element_size()
+                return t
+
+            self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+            self._hooks.__enter__()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):  # noqa: ANN001
+        if self.count_saved:
+            self._hooks.__exit__(None, None, None)
+        if self.inf_at_step is not None and trainer.global_step == self.inf_at_step + 1:
+            self.params_after_inf_step = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("train_loss")}
         metrics["lr"] = trainer.optimizers[0].param_groups[0]["lr"]
         metrics["returned_loss"] = float(outputs["loss"])
@@ -54,16 +78,30 @@ class Recorder(L.Callback):
 
     def on_after_backward(self, trainer, pl_module):  # noqa: ANN001
         self._count("on_after_backward")
+        if self.inf_at_step is not None and trainer.global_step == self.inf_at_step:
+            self.params_before_inf_step = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
+            if trainer.global_rank == trainer.world_size - 1:
+                next(p for p in pl_module.parameters() if p.grad is not None).grad.view(-1)[0] = float("inf")
+
+    def on_before_zero_grad(self, trainer, pl_module, optimizer):  # noqa: ANN001
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        if scaler is not None:
+            self.scales.append(float(scaler.get_scale()))
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):  # noqa: ANN001
         self._count("on_before_optimizer_step")
 
 
 def run(spec: dict[str, Any], out_dir: Path) -> None:
-    model = models.make_model(**spec.get("model", {}))
-    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    if spec.get("meta_init"):
+        with torch.device("meta"):
+            model = models.make_model(**spec.get("model", {}))
+    else:
+        model = models.make_model(**spec.get("model", {}))
     strategy_kwargs = spec.get("strategy")
     recorder = Recorder()
+    recorder.count_saved = spec.get("count_saved", False)
+    recorder.inf_at_step = spec.get("inf_at_step")
     trainer_kwargs = dict(
         accelerator="cpu",
         devices=spec.get("devices", 1),
@@ -75,6 +113,11 @@ def run(spec: dict[str, Any], out_dir: Path) -> None:
         use_distributed_sampler=spec.get("use_distributed_sampler", False),
         callbacks=[recorder],
     )
+    if spec.get("fp16_scaler"):  # Lightning maps "16-mixed" on CPU to bf16; build the fp16 plugin by hand
+        from lightning.pytorch.plugins.precision import MixedPrecision
+
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+        trainer_kwargs["plugins"] = [MixedPrecision("16-mixed", "cpu", scaler=scaler)]
     if strategy_kwargs is not None:
         trainer_kwargs["strategy"] = PipelineStrategy(**strategy_kwargs)
     elif "strategy_name" in spec:
@@ -99,7 +142,11 @@ def run(spec: dict[str, Any], out_dir: Path) -> None:
         "hooks": recorder.hooks,
         "first_rows": recorder.first_rows,
         "state_dict": {k: v.detach().cpu() for k, v in model.state_dict().items()},
-        "initial": {k: v for k, v in initial.items() if k in model.state_dict()},
+        "initial": recorder.initial,
+        "saved_bytes": recorder.saved_bytes,
+        "scales": recorder.scales,
+        "params_before_inf_step": recorder.params_before_inf_step,
+        "params_after_inf_step": recorder.params_after_inf_step,
         "callback_metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
         "global_step": trainer.global_step,
     }
