@@ -1,0 +1,281 @@
+"""Steady-state training step time of three ways to train the same model, measured side by side in one run.
+
+    (a) single   plain Lightning, one process, no strategy (``Trainer(devices=1)``)
+    (b) torch    a hand-written ``torch.distributed.pipelining`` loop: ``PipelineStage`` + ``Schedule1F1B`` on
+                 2 processes (``torch.multiprocessing``, gloo), the same 2-stage split, then an SGD step
+    (c) strategy ``Trainer(devices=2, strategy=PipelineStrategy(schedule="1F1B", balance=<same split>))`` on CPU
+
+All three build the identical model (``examples/llama.py``, same seed), see the same batches of the same
+microbatch count and step plain SGD. Every process runs with ONE thread (``OMP_NUM_THREADS=1`` and
+``torch.set_num_threads(1)``), (a) included: the comparison is per process, so the speed-up of (c) over (a)
+is what a second worker buys, not what a second thread would. (Lightning would otherwise give a lone process
+all cores.)
+
+A step is the time between consecutive training-step starts on rank 0: data loading, forward, backward,
+optimizer step and Lightning's bookkeeping (for (c) also the logging bridge). The first ``--warmup`` steps
+(shape inference, allocator warm-up) are dropped and the median of the next ``--steps`` is reported. Next to
+it, each rank's median CPU seconds per step (``time.process_time``): on a shared machine the wall clock
+depends on what else runs, the CPU seconds much less, so they show the strategy's own overhead more reliably.
+
+Each variant runs in its own subprocess (``--variant NAME --out FILE``), one after the other, so Lightning's
+launcher can start the ranks of (c) as it always does. The parent prints the table and writes
+``benchmarks/results.json``.
+
+    python benchmarks/benchmark.py                       # all three, about a minute on 2 idle cores
+    python benchmarks/benchmark.py --n-layers 8 --batch-size 32 --steps 30
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path[:0] = [os.path.join(ROOT, "examples"), ROOT]  # the example's model, and lightning_pipe from this checkout
+
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from llama import LitLlama, LlamaConfig, make_loaders  # noqa: E402
+
+VARIANTS = {
+    "single": "(a) Lightning, 1 process, no strategy",
+    "torch": "(b) hand-written torch 1F1B, 2 processes",
+    "strategy": "(c) PipelineStrategy 1F1B, 2 processes",
+}
+
+
+class BenchLlama(LitLlama):
+    """The example's model with plain SGD, the optimizer of the hand-written loop."""
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+
+
+def make_model(args: argparse.Namespace) -> BenchLlama:
+    torch.manual_seed(args.seed)
+    config = LlamaConfig(dim=args.dim, n_layers=args.n_layers, max_seq_len=args.seq_len)
+    return BenchLlama(config, lr=args.lr)
+
+
+def make_train_loader(args: argparse.Namespace) -> Any:
+    torch.manual_seed(args.seed)
+    total = args.warmup + args.steps + 1
+    loader, _ = make_loaders(args.seq_len, args.batch_size, total * args.batch_size, seed=args.seed)
+    return loader
+
+
+def stage0_modules(args: argparse.Namespace) -> int:
+    """Backbone modules on stage 0: the embedding and the first half of the blocks (equal compute per stage)."""
+    return 1 + args.n_layers // 2
+
+
+def write_result(args: argparse.Namespace, rank: int, starts: list[float], cpu: list[float]) -> None:
+    """Rank 0 writes the wall-clock step times; every rank writes its CPU seconds per step next to it."""
+    timed = [b - a for a, b in zip(starts, starts[1:])][args.warmup :]
+    cpu_timed = [b - a for a, b in zip(cpu, cpu[1:])][args.warmup :]
+    result = {"variant": args.variant, "rank": rank, "cpu_step_times": cpu_timed}
+    result["cpu_median"] = statistics.median(cpu_timed)
+    if rank == 0:
+        result.update(step_times=timed, median=statistics.median(timed))
+    with open(f"{args.out}.rank{rank}", "w") as f:
+        json.dump(result, f)
+
+
+# --------------------------------------------------------------------------------- (a) and (c): Lightning
+class StepTimer(L.Callback):
+    """Records wall-clock and CPU time at every training-step start; each rank writes them when training ends."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.starts: list[float] = []
+        self.cpu: list[float] = []
+
+    def on_train_batch_start(self, trainer: L.Trainer, *_: Any) -> None:
+        self.starts.append(time.perf_counter())
+        self.cpu.append(time.process_time())
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.starts.append(time.perf_counter())  # the end of the last step
+        self.cpu.append(time.process_time())
+        write_result(self.args, trainer.global_rank, self.starts, self.cpu)
+
+
+def run_lightning(args: argparse.Namespace) -> None:
+    extra: dict[str, Any] = {"accelerator": "cpu", "devices": 1}
+    if args.variant == "strategy":
+        from lightning_pipe import PipelineStrategy
+
+        split = stage0_modules(args)
+        balance = [split, args.n_layers + 3 - split]
+        strategy = PipelineStrategy(num_microbatches=args.num_microbatches, schedule="1F1B", balance=balance)
+        extra = {"accelerator": "cpu", "devices": 2, "strategy": strategy}
+    trainer = L.Trainer(
+        max_steps=args.warmup + args.steps,
+        callbacks=[StepTimer(args)],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        **extra,
+    )
+    trainer.fit(make_model(args), train_dataloaders=make_train_loader(args))
+
+
+# --------------------------------------------------------------------------------- (b): hand-written 1F1B
+def torch_worker(rank: int, args: argparse.Namespace, port: int) -> None:
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    backbone = make_model(args).backbone
+    split = stage0_modules(args)
+    module = backbone[:split] if rank == 0 else backbone[split:]
+    stage = PipelineStage(module, stage_index=rank, num_stages=2, device=torch.device("cpu"))
+
+    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    schedule = Schedule1F1B(stage, n_microbatches=args.num_microbatches, loss_fn=loss_fn)
+    optimizer = torch.optim.SGD(module.parameters(), lr=args.lr)
+    starts, cpu = [], []
+    for x, y in make_train_loader(args):  # both ranks draw the same batches: rank 0 feeds x, rank 1 scores y
+        starts.append(time.perf_counter())
+        cpu.append(time.process_time())
+        optimizer.zero_grad()
+        if rank == 0:
+            schedule.step(x)
+        else:
+            schedule.step(target=y)
+        optimizer.step()
+        if len(starts) == args.warmup + args.steps:
+            break
+    starts.append(time.perf_counter())
+    cpu.append(time.process_time())
+    write_result(args, rank, starts, cpu)
+    dist.destroy_process_group()
+
+
+def run_torch(args: argparse.Namespace) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torch.multiprocessing.spawn(torch_worker, args=(args, port), nprocs=2, join=True)
+
+
+# --------------------------------------------------------------------------------- parent
+def run_all(args: argparse.Namespace) -> None:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in ("variant", "out")]
+    results: dict[str, dict] = {}
+    load_before = os.getloadavg()
+    for variant in VARIANTS:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "result.json")
+            cmd = [sys.executable, os.path.abspath(__file__), f"--variant={variant}", f"--out={out}", *flags]
+            print(f"running {variant}: {' '.join(cmd[1:])}", flush=True)
+            begin = time.perf_counter()
+            proc = subprocess.run(cmd, env=env, cwd=tmp, capture_output=True, text=True, timeout=args.timeout)
+            ranks = sorted(n for n in os.listdir(tmp) if n.startswith("result.json.rank"))
+            if proc.returncode != 0 or "result.json.rank0" not in ranks:
+                tail = f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+                sys.exit(f"variant {variant!r} failed (exit {proc.returncode}):\n{tail}")
+            per_rank = []
+            for name in ranks:
+                with open(os.path.join(tmp, name)) as f:
+                    per_rank.append(json.load(f))
+            results[variant] = per_rank[0]
+            results[variant]["cpu_per_rank_median"] = [r["cpu_median"] for r in per_rank]
+            results[variant]["cpu_median_all_ranks"] = sum(r["cpu_median"] for r in per_rank)
+            results[variant]["wall_s"] = round(time.perf_counter() - begin, 1)
+
+    med = {v: results[v]["median"] for v in VARIANTS}
+    cpu = {v: results[v]["cpu_median_all_ranks"] for v in VARIANTS}
+    ratios = {
+        "strategy_over_torch": med["strategy"] / med["torch"],
+        "strategy_over_torch_cpu": cpu["strategy"] / cpu["torch"],
+        "single_over_strategy": med["single"] / med["strategy"],
+        "single_over_torch": med["single"] / med["torch"],
+    }
+    print()
+    print(
+        f"model: dim {args.dim}, {args.n_layers} layers, seq {args.seq_len}, batch {args.batch_size},"
+        f" {args.num_microbatches} microbatches; {args.steps} timed steps after {args.warmup} warm-up;"
+        f" 1 thread per process; {os.cpu_count()} CPUs, load average {load_before[0]:.1f} at start"
+    )
+    print(f"{'variant':42s} {'median s/step':>13s} {'p10':>7s} {'p90':>7s} {'CPU s/step':>18s} {'run s':>6s}")
+    for v, label in VARIANTS.items():
+        times = sorted(results[v]["step_times"])
+        p10, p90 = times[len(times) // 10], times[(9 * len(times)) // 10]
+        per_rank = "+".join(f"{c:.3f}" for c in results[v]["cpu_per_rank_median"])
+        print(f"{label:42s} {med[v]:13.4f} {p10:7.4f} {p90:7.4f} {per_rank:>18s} {results[v]['wall_s']:6.1f}")
+    print(
+        f"strategy / hand-written torch   (c)/(b): {ratios['strategy_over_torch']:.3f}x  (>1: strategy overhead;"
+        f" in CPU seconds summed over ranks: {ratios['strategy_over_torch_cpu']:.3f}x)"
+    )
+    print(f"speed-up of the strategy        (a)/(c): {ratios['single_over_strategy']:.3f}x")
+    print(f"speed-up of hand-written torch  (a)/(b): {ratios['single_over_torch']:.3f}x")
+    report = {
+        "config": {k: v for k, v in vars(args).items() if k not in ("variant", "out")},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "load_average_before": load_before,  # 1, 5, 15 minutes; above the CPU count, the timings are contended
+            "load_average_after": os.getloadavg(),
+            "torch": torch.__version__,
+            "lightning": L.__version__,
+            "python": platform.python_version(),
+        },
+        "median_step_s": med,
+        "median_cpu_s_all_ranks": cpu,
+        "ratios": ratios,
+        "variants": results,
+    }
+    path = os.path.join(HERE, "results.json")
+    with open(path, "w") as f:
+        json.dump(report, f, indent=2)
+    print(f"wrote {path}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--variant", default="all", choices=["all", *VARIANTS])
+    p.add_argument("--out", default=None, help="(internal) where a variant writes its result")
+    p.add_argument("--dim", type=int, default=256)
+    p.add_argument("--n-layers", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--num-microbatches", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=int, default=600, help="seconds allowed per variant")
+    args = p.parse_args()
+    if args.batch_size % args.num_microbatches:
+        p.error(f"--num-microbatches {args.num_microbatches} must divide --batch-size {args.batch_size}.")
+    if args.n_layers < 2:
+        p.error("--n-layers must be at least 2: each stage gets half of the blocks.")
+    if args.variant == "all":
+        return run_all(args)
+    if args.out is None:
+        p.error("--out is required with --variant.")
+    torch.set_num_threads(1)
+    run_torch(args) if args.variant == "torch" else run_lightning(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,131 @@
+"""Peak host memory per rank when a model is built on the meta device, and the cost of activation checkpointing.
+
+    python benchmarks/memory.py            # runs every measurement and prints a table
+
+Part 1 builds a ~600 MB (fp32) MLP-block model with ``trainer.init_module(empty_init=True)`` and runs one
+training step with ``PipelineStrategy`` on 1, 2 and 4 CPU processes; each rank reports its peak resident set
+size (``ru_maxrss``). Only the local stage is ever allocated, so the per-rank peak falls with the stage size.
+
+Part 2 trains the same kind of model on 2 processes with and without ``activation_checkpointing=True`` and
+reports, per rank, the bytes of activations autograd kept for backward (a saved-tensor hook counts them: a
+deterministic stand-in for peak activation memory on CPU) and the median step time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_pipe import PipelineStrategy
+
+
+class MLPBlock(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.up = nn.Linear(dim, 4 * dim)
+        self.down = nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+class Model(L.LightningModule):
+    def __init__(self, dim: int, blocks: int) -> None:
+        super().__init__()
+        self.backbone = nn.Sequential(*[MLPBlock(dim) for _ in range(blocks)], nn.Linear(dim, 1))
+
+    def training_step(self, batch, batch_idx):  # noqa: ANN001
+        x, y = batch
+        return F.mse_loss(self.backbone(x).squeeze(-1), y)
+
+    def configure_optimizers(self):  # noqa: ANN201
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+
+class Probe(L.Callback):
+    def __init__(self, count_saved: bool) -> None:
+        self.count_saved, self.saved, self.times = count_saved, [], []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):  # noqa: ANN001
+        self.t0 = time.perf_counter()
+        if self.count_saved:
+            self.saved.append(0)
+
+            def pack(t: torch.Tensor) -> torch.Tensor:
+                self.saved[-1] += t.numel() * t.element_size()
+                return t
+
+            self.hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+            self.hooks.__enter__()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):  # noqa: ANN001
+        if self.count_saved:
+            self.hooks.__exit__(None, None, None)
+        self.times.append(time.perf_counter() - self.t0)
+
+
+def worker(args: dict) -> None:
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(64, args["seq"], args["dim"]), torch.randn(64, args["seq"]))
+    probe = Probe(count_saved=args["count_saved"])
+    trainer = L.Trainer(
+        accelerator="cpu", devices=args["devices"], max_steps=args["steps"], logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[probe],
+        strategy=PipelineStrategy(num_microbatches=4, activation_checkpointing=args["ac"]),
+    )
+    with trainer.init_module(empty_init=True):
+        model = Model(args["dim"], args["blocks"])
+    trainer.fit(model, DataLoader(data, batch_size=args["batch"]))
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    out = {
+        "rank": trainer.global_rank, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "local_params_mb": params / 2**20, "saved_mb": max(probe.saved, default=0) / 2**20,
+        "step_s": statistics.median(probe.times[1:]) if len(probe.times) > 1 else probe.times[0],
+    }
+    Path(args["out"], f"rank{trainer.global_rank}.json").write_text(json.dumps(out))
+
+
+def run(devices: int, dim: int, blocks: int, ac: bool, count_saved: bool, steps: int, seq: int, batch: int) -> list[dict]:
+    out = tempfile.mkdtemp()
+    args = dict(devices=devices, dim=dim, blocks=blocks, ac=ac, count_saved=count_saved, steps=steps, seq=seq,
+                batch=batch, out=out)
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
+    subprocess.run([sys.executable, __file__, "--worker", json.dumps(args)], check=True, env=env,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=600)
+    return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(devices)]
+
+
+def main() -> None:
+    print("Part 1: model built on meta, ~600 MB of fp32 parameters, one step")
+    print(f"{'processes':>9} {'rank':>4} {'local params MB':>16} {'peak RSS MB':>12}")
+    for devices in (1, 2, 4):
+        for r in run(devices, dim=1024, blocks=18, ac=False, count_saved=False, steps=1, seq=8, batch=8):
+            print(f"{devices:>9} {r['rank']:>4} {r['local_params_mb']:>16.0f} {r['peak_rss_mb']:>12.0f}")
+    print("\nPart 2: activation checkpointing, 2 processes, dim 512 x 8 blocks, batch 32 x seq 128")
+    print(f"{'checkpointing':>13} {'rank':>4} {'saved activations MB':>21} {'step s':>8}")
+    for ac in (False, True):
+        for r in run(2, dim=512, blocks=8, ac=ac, count_saved=True, steps=6, seq=128, batch=32):
+            print(f"{str(ac):>13} {r['rank']:>4} {r['saved_mb']:>21.1f} {r['step_s']:>8.3f}")
+        for r in run(2, dim=512, blocks=8, ac=ac, count_saved=False, steps=6, seq=128, batch=32):
+            print(f"{'(timing)':>13} {r['rank']:>4} {'':>21} {r['step_s']:>8.3f}")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 2 and sys.argv[1] == "--worker":
+        worker(json.loads(sys.argv[2]))
+    else:
+        main()
