@@ -507,3 +507,10 @@ def _install_load_from_checkpoint_support() -> None:
 
 
 _install_load_from_checkpoint_support()
+
+
+def stored_balance(filepath: Any) -> list[int]:
+    """The modules per stage of the split a checkpoint directory was saved with, e.g. a profiled
+    ``balance="time"`` split, to pass as ``PipelineStrategy(balance=stored_balance(ckpt_dir))`` on resume."""
+    meta = torch.load(Path(filepath) / META_FILENAME, map_location="cpu", weights_only=False)
+    return [stop - start for start, stop in meta["pipeline_layout"]["bounds"]]

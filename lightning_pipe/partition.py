@@ -12,7 +12,7 @@ from typing import Union
 
 BalanceSpec = Union[str, Sequence[int]]
 
-BALANCE_MODES = ("uniform", "parameters")
+BALANCE_MODES = ("uniform", "parameters", "time")
 
 
 @dataclass(frozen=True)
@@ -69,8 +69,8 @@ def split_sizes(module_costs: Sequence[int], num_stages: int, balance: BalanceSp
         module_costs: a cost per module, used by ``balance="parameters"`` (e.g. parameter counts).
         num_stages: how many stages to make.
         balance: ``"uniform"`` gives each stage the same number of modules (the first stages take one
-            extra when it does not divide); ``"parameters"`` minimises the largest stage cost; a list gives
-            the number of modules per stage explicitly.
+            extra when it does not divide); ``"parameters"`` and ``"time"`` minimise the largest stage cost
+            (the costs being parameter counts or measured times); a list gives the number of modules per stage.
 
     Returns:
         The number of modules in each stage.
@@ -88,7 +88,7 @@ def split_sizes(module_costs: Sequence[int], num_stages: int, balance: BalanceSp
         if balance == "uniform":
             base, extra = divmod(num_modules, num_stages)
             return [base + (1 if s < extra else 0) for s in range(num_stages)]
-        if balance == "parameters":
+        if balance in ("parameters", "time"):
             return _min_max_partition(list(module_costs), num_stages)
         raise ValueError(
             f"Unknown `balance={balance!r}`. Use one of {list(BALANCE_MODES)} or a list of module counts per stage."
@@ -107,7 +107,7 @@ def split_sizes(module_costs: Sequence[int], num_stages: int, balance: BalanceSp
     return sizes
 
 
-def _min_max_partition(costs: list[int], num_stages: int) -> list[int]:
+def _min_max_partition(costs: list[float], num_stages: int) -> list[int]:
     """Contiguous partition minimising the largest part's cost; ties go to the earliest cut points."""
     n = len(costs)
     prefix = [0]

@@ -53,6 +53,7 @@ from lightning_pipe import stage as _stage
 from lightning_pipe.gradients import agree_on_overflow, clip_by_global_norm
 from lightning_pipe.logging_bridge import LogRecorder, replay, share
 from lightning_pipe.partition import BALANCE_MODES, StageLayout, make_layout
+from lightning_pipe.profile import time_modules
 from lightning_pipe.pipeline import SCHEDULE_NAMES, StagePipeline, microbatches_for, placement_style, resolve_schedule
 
 if TYPE_CHECKING:
@@ -87,8 +88,11 @@ class PipelineStrategy(ParallelStrategy):
             the V schedules, as torch expects).
         backbone: dotted attribute path of the ``nn.Sequential`` to pipeline. Default ``"backbone"``.
         balance: how modules are assigned to stages: ``"uniform"`` (same module count per stage, the first
-            stages take the remainder), ``"parameters"`` (minimise the largest stage's parameter count), or an
-            explicit list with the number of modules of each stage.
+            stages take the remainder), ``"parameters"`` (minimise the largest stage's parameter count), ``"time"``
+            (before training, rank 0 times each module's forward+backward on one microbatch of the first batch on
+            the real device, and the split minimises the slowest stage; every rank uses rank 0's measurement), or
+            an explicit list with the number of modules of each stage. Checkpoints store the split:
+            ``balance=lightning_pipe.stored_balance(ckpt_dir)`` reuses it on resume.
         activation_checkpointing: recompute activations in backward instead of keeping them. ``True``: every
             backbone module of every stage; a list of class names (e.g. ``["Block"]``) or a callable
             ``module -> bool``: the backbone modules it selects. Results are unchanged; memory goes down.
@@ -349,7 +353,10 @@ class PipelineStrategy(ParallelStrategy):
                 f" trainable parameters are outside it: {outside[:5]}{' ...' if len(outside) > 5 else ''}. Move"
                 " those modules into the backbone `nn.Sequential`, or freeze them with `requires_grad_(False)`."
             )
-        costs = [sum(p.numel() for p in m.parameters()) for m in backbone]
+        if self._balance == "time":
+            costs = self._measure_module_times(module, parent, name, backbone)
+        else:
+            costs = [sum(p.numel() for p in m.parameters()) for m in backbone]
         layout = make_layout(costs, self.pipeline_parallel_size, self._stages_per_rank, self._balance, style)
         local = LocalBackbone(backbone, layout.rank_modules(self.pipeline_rank), len(backbone))
         local.layout = layout
@@ -357,6 +364,39 @@ class PipelineStrategy(ParallelStrategy):
         setattr(parent, name, local)
         rank_zero_info(f"PipelineStrategy ({self._schedule_name}): {layout.describe()}")
         return local
+
+    def _measure_module_times(
+        self, module: pl.LightningModule, parent: nn.Module, name: str, backbone: nn.Sequential
+    ) -> list[float]:
+        """Time every backbone module on one microbatch of the first batch (on rank 0) and share the result."""
+        costs = None
+        if self.is_global_zero:
+            trainer = module.trainer
+            # The loop of the running stage knows the user's loader however it was given (loader, datamodule or
+            # module hook); `_data_source` is Lightning's private handle on it.
+            loop = {
+                TrainerFn.FITTING: trainer.fit_loop,
+                TrainerFn.VALIDATING: trainer.validate_loop,
+                TrainerFn.TESTING: trainer.test_loop,
+                TrainerFn.PREDICTING: trainer.predict_loop,
+            }[trainer.state.fn]
+            step = {TrainerFn.FITTING: module.training_step, TrainerFn.VALIDATING: module.validation_step,
+                    TrainerFn.TESTING: module.test_step, TrainerFn.PREDICTING: module.predict_step}[trainer.state.fn]
+            loaders = _loaders(loop._data_source.dataloader())
+            with torch.random.fork_rng():
+                batch = next(iter(loaders[0]))
+            whole = LocalBackbone(backbone, list(range(len(backbone))), len(backbone))
+            setattr(parent, name, whole)
+            try:
+                with LogRecorder().installed(module):
+                    (inputs,), _ = capture_input(whole, step, batch, 0)
+            finally:
+                setattr(parent, name, backbone)
+            rows = inputs.shape[0] // microbatches_for(inputs.shape[0], self._microbatch_count())
+            costs = time_modules(list(backbone), inputs[:rows], self.root_device,
+                                 context=self.precision_plugin.train_step_context)
+            rank_zero_info("PipelineStrategy: forward+backward ms per module: " + ", ".join(f"{c * 1e3:.2f}" for c in costs))
+        return self.broadcast(costs)
 
     @override
     def model_to_device(self) -> None:

@@ -149,6 +149,7 @@ def run(spec: dict[str, Any], out_dir: Path) -> None:
         "params_after_inf_step": recorder.params_after_inf_step,
         "callback_metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
         "global_step": trainer.global_step,
+        "layout": [list(b) for b in trainer.strategy.layout.bounds] if isinstance(trainer.strategy, PipelineStrategy) else None,
     }
     out_dir.mkdir(parents=True, exist_ok=True)
     torch.save(result, out_dir / f"rank{trainer.global_rank}.pt")
