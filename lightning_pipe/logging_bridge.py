@@ -84,6 +84,12 @@ class _MetricRef:
     def __init__(self, path: str) -> None:
         self.path = path
 
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _MetricRef) and other.path == self.path
+
+    def __hash__(self) -> int:
+        return hash(self.path)
+
 
 def _weighted_mean(name: str, values: list[Any], weights: list[int]) -> torch.Tensor:
     tensors = []
@@ -103,13 +109,82 @@ def _weighted_mean(name: str, values: list[Any], weights: list[int]) -> torch.Te
     return (stacked * w).sum(0) / w.sum()
 
 
-def share(payload: Any, src: int, group: Optional[dist.ProcessGroup], size: int) -> Any:
-    """Send ``payload`` from pipeline rank ``src`` to every rank of the pipeline."""
-    if size == 1:
-        return payload
-    box = [_to_cpu(payload)]
-    dist.broadcast_object_list(box, group_src=src, group=group)
-    return box[0]
+class LogChannel:
+    """Carries one step's result and reduced logs from the last stage to the other ranks of the pipeline.
+
+    The first step (and any step whose logged keys or options change) sends a pickled object. After that, when
+    the keys are the same and every value is a scalar, only the values travel, in one small tensor broadcast:
+    a flag in the first slot tells the receivers whether the object follows.
+    """
+
+    def __init__(self, group: Optional[dist.ProcessGroup], src: int, size: int, device: torch.device) -> None:
+        self.group, self.src, self.size, self.device = group, src, size, device
+        self._signature: Optional[tuple] = None
+
+    def share(self, payload: Optional[tuple[Any, list]]) -> tuple[Any, list]:
+        """``payload`` is ``(result, entries)`` on the source rank and ``None`` elsewhere."""
+        if self.size == 1:
+            assert payload is not None
+            return payload
+        slots = len(self._signature) + 1 if self._signature is not None else 0
+        buffer = torch.zeros(1 + slots, dtype=torch.float64, device=self.device)
+        if payload is not None:
+            result, entries = payload
+            fast = self._signature is not None and _signature(result, entries) == self._signature
+            if fast:
+                if result is not None:
+                    buffer[1] = result.detach().double()
+                values = [v for _, v, _ in entries if not isinstance(v, _MetricRef)]
+                if values:
+                    buffer[2 : 2 + len(values)] = torch.stack([v.detach().double().reshape(()) for v in values])
+                buffer[0] = 1
+        dist.broadcast(buffer, group_src=self.src, group=self.group)
+        if buffer[0].item() == 1:
+            if payload is not None:
+                return payload
+            return self._unpack(buffer[1:].cpu())
+        box = [_to_cpu(payload)]
+        dist.broadcast_object_list(box, group_src=self.src, group=self.group)
+        result, entries = box[0]
+        self._signature = _signature(result, entries)
+        return result, entries
+
+    def _unpack(self, values: torch.Tensor) -> tuple[Any, list]:
+        assert self._signature is not None
+        (_, result_dtype), *keys = self._signature
+        result = values[0].to(result_dtype) if result_dtype is not None else None
+        entries, i = [], 1
+        for name, options, kind in keys:
+            if isinstance(kind, _MetricRef):
+                entries.append((name, kind, dict(options)))
+            else:
+                entries.append((name, values[i].to(kind), dict(options)))
+                i += 1
+        return result, entries
+
+
+def _signature(result: Any, entries: list) -> Optional[tuple]:
+    """What must not change between steps for the values-only path: result kind, keys, options, value dtypes."""
+    if result is None:
+        head = ("result", None)
+    elif isinstance(result, torch.Tensor) and result.dim() == 0:
+        head = ("result", result.dtype)
+    else:
+        return None
+    keys = []
+    for name, value, options in entries:
+        try:
+            frozen = tuple(sorted(options.items()))
+            hash(frozen)
+        except TypeError:
+            return None
+        if isinstance(value, _MetricRef):
+            keys.append((name, frozen, value))
+        elif isinstance(value, torch.Tensor) and value.dim() == 0:
+            keys.append((name, frozen, value.dtype))
+        else:
+            return None
+    return (head, *keys)
 
 
 def _to_cpu(obj: Any) -> Any:

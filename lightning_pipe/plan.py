@@ -47,18 +47,20 @@ TARGET_BUBBLE = 0.2
 
 
 # ---------------------------------------------------------------------------------------------- the auto rule
-def microbatch_target(pipeline_parallel_size: int, stages_per_rank: int = 1) -> int:
+def microbatch_target(pipeline_parallel_size: int, stages_per_rank: int = 1, schedule: Optional[str] = None) -> int:
     """The microbatch count ``num_microbatches="auto"`` aims for: ``p * ceil(4 / v)``, or 1 when ``p == 1``.
 
     With ``m = 4p`` (one stage per process) the 1F1B bubble is ``(p-1)/(5p-1) < 20%``; with ``v`` stages per
     process the bubble shrinks by ``v``, so ``m = p * ceil(4/v)`` does as well. A multiple of ``p`` satisfies every
-    torch schedule's own constraint (1F1B: ``m >= p``; interleaved: ``m`` a multiple of ``max(1, m // p)``).
+    torch schedule's own constraint (1F1B: ``m >= p``; interleaved: ``m`` a multiple of ``max(1, m // p)``);
+    DualPipeV, which needs a microbatch per stage, gets at least ``p * v``.
     """
     _check_positive("pipeline_parallel_size", pipeline_parallel_size)
     _check_positive("stages_per_rank", stages_per_rank)
-    if pipeline_parallel_size == 1:
-        return 1
-    return pipeline_parallel_size * math.ceil(4 / stages_per_rank)
+    target = 1 if pipeline_parallel_size == 1 else pipeline_parallel_size * math.ceil(4 / stages_per_rank)
+    if schedule == "DualPipeV":
+        target = max(target, pipeline_parallel_size * stages_per_rank)
+    return target
 
 
 def valid_num_microbatches(
@@ -98,7 +100,7 @@ def default_num_microbatches(
         ValueError: if no count works, e.g. a 1F1B batch smaller than the pipeline.
     """
     _check_positive("batch_size", batch_size)
-    target = microbatch_target(pipeline_parallel_size, stages_per_rank)
+    target = microbatch_target(pipeline_parallel_size, stages_per_rank, schedule)
     accepted = [
         d
         for d in _divisors(batch_size)
@@ -226,6 +228,8 @@ class Plan:
                 f" activations {format_bytes(self.activation_memory or 0)})"
                 + ("" if self.fits else "  OVER BUDGET")
             )
+        if self.pipeline_parallel_size == 1:
+            lines.append("  (a pipeline of one process is plain data parallelism: DDP runs it just as well)")
         lines.append(f"  {self.strategy_line()}")
         return "\n".join(lines)
 
@@ -362,8 +366,8 @@ def _all_plans(
         b = global_batch_size // dp
         for schedule in schedules:
             v = interleaved_stages_per_rank if schedule in _MULTI_STAGE else 1
-            if v > 1 and p == 1:
-                continue  # interleaving on one process overlaps nothing
+            if p == 1 and schedule != "1F1B":
+                continue  # one stage: GPipe and interleaving only differ from 1F1B by keeping more in flight
             num_stages = p * v
             if num_stages > n:
                 skipped.append(f"pipeline {p} ({schedule}): {num_stages} stages but only {n} modules")
@@ -751,14 +755,18 @@ def _instantiate_model(model_config: Any, model_class: Optional[str]) -> tuple[n
     parser = ArgumentParser(exit_on_error=False)
     parser.add_subclass_arguments(LightningModule, "model", required=True)
     cfg = parser.parse_object({"model": model_config})
+    instantiate = getattr(parser, "instantiate", None) or parser.instantiate_classes  # renamed in jsonargparse 4.49
     try:
         with torch.device("meta"):
-            model = parser.instantiate_classes(cfg).model
+            model = instantiate(cfg).model
         on_meta = True
     except Exception as error:  # e.g. __init__ loads weights or calls .item(): build it for real
-        print(f"note: building the model on the meta device failed ({type(error).__name__}: {error});"
-              " building it on the CPU instead.", file=sys.stderr)
-        model = parser.instantiate_classes(cfg).model
+        print(
+            f"note: building the model on the meta device failed ({type(error).__name__}: {error});"
+            " building it on the CPU instead.",
+            file=sys.stderr,
+        )
+        model = instantiate(cfg).model
         on_meta = False
     return model, on_meta
 

@@ -51,7 +51,7 @@ from lightning_pipe.backbone import (
 )
 from lightning_pipe import stage as _stage
 from lightning_pipe.gradients import agree_on_overflow, clip_by_global_norm
-from lightning_pipe.logging_bridge import LogRecorder, replay, share
+from lightning_pipe.logging_bridge import LogChannel, LogRecorder, replay
 from lightning_pipe.partition import BALANCE_MODES, StageLayout, make_layout
 from lightning_pipe.profile import time_modules
 from lightning_pipe.pipeline import SCHEDULE_NAMES, StagePipeline, microbatches_for, placement_style, resolve_schedule
@@ -315,6 +315,8 @@ class PipelineStrategy(ParallelStrategy):
             ),
         )
         self._pipeline.check_schedule()
+        channel = (self._pipeline.group, self._pipeline.last_stage_rank, self.pipeline_parallel_size, self.root_device)
+        self._train_channel, self._eval_channel = LogChannel(*channel), LogChannel(*channel)
         self._params = [p for p in module.parameters() if p.requires_grad]
         _use_global_norm_clipping(self.precision_plugin, self.device_mesh.get_group("pp"))
         agree_on_overflow(self.precision_plugin)
@@ -475,7 +477,7 @@ class PipelineStrategy(ParallelStrategy):
         payload = None
         if pipeline.has_last_stage:
             payload = (torch.stack(losses).mean(), recorder.reduce(module))
-        loss, entries = share(payload, pipeline.last_stage_rank, pipeline.group, self.pipeline_parallel_size)
+        loss, entries = self._train_channel.share(payload)
         replay(module, entries, self.root_device, self.device_mesh.get_group("dp"))
         return loss.to(self.root_device)
 
@@ -508,7 +510,7 @@ class PipelineStrategy(ParallelStrategy):
             with recorder.installed(module):
                 result = run_with_output(backbone, output, step, *args, **kwargs)
             payload = (result, recorder.reduce(module))
-        result, entries = share(payload, pipeline.last_stage_rank, pipeline.group, self.pipeline_parallel_size)
+        result, entries = self._eval_channel.share(payload)
         replay(module, entries, self.root_device, self.device_mesh.get_group("dp"))
         return apply_to_collection(result, Tensor, lambda t: t.to(self.root_device))
 
