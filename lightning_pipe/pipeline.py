@@ -10,7 +10,6 @@ ragged last batch gets its own correctly-shaped schedule instead of reusing stal
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Sequence
 from itertools import chain
 from typing import Any, Callable, Optional

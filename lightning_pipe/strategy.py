@@ -6,7 +6,6 @@ import functools
 import signal
 import subprocess
 import time
-from collections import OrderedDict
 from collections.abc import Generator
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -32,7 +31,6 @@ from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
-from lightning_utilities.core.apply_func import apply_to_collection
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -40,21 +38,14 @@ from typing_extensions import override
 
 import lightning.pytorch as pl
 from lightning_pipe import checkpoint as _ckpt
-from lightning_pipe.backbone import (
-    BackboneCallError,
-    LocalBackbone,
-    batch_size_of,
-    capture_input,
-    resolve_backbone,
-    run_with_output,
-    slice_batch,
-)
+from lightning_pipe.backbone import LocalBackbone, resolve_backbone
 from lightning_pipe import stage as _stage
+from lightning_pipe import steps as _steps
 from lightning_pipe.gradients import agree_on_overflow, clip_by_global_norm
-from lightning_pipe.logging_bridge import LogChannel, LogRecorder, replay
+from lightning_pipe.logging_bridge import LogChannel
 from lightning_pipe.partition import BALANCE_MODES, StageLayout, make_layout
 from lightning_pipe.profile import time_modules
-from lightning_pipe.pipeline import SCHEDULE_NAMES, StagePipeline, microbatches_for, placement_style, resolve_schedule
+from lightning_pipe.pipeline import StagePipeline, microbatches_for, placement_style, resolve_schedule
 
 if TYPE_CHECKING:
     from lightning.pytorch.accelerators import Accelerator
@@ -373,30 +364,11 @@ class PipelineStrategy(ParallelStrategy):
         """Time every backbone module on one microbatch of the first batch (on rank 0) and share the result."""
         costs = None
         if self.is_global_zero:
-            trainer = module.trainer
-            # The loop of the running stage knows the user's loader however it was given (loader, datamodule or
-            # module hook); `_data_source` is Lightning's private handle on it.
-            loop = {
-                TrainerFn.FITTING: trainer.fit_loop,
-                TrainerFn.VALIDATING: trainer.validate_loop,
-                TrainerFn.TESTING: trainer.test_loop,
-                TrainerFn.PREDICTING: trainer.predict_loop,
-            }[trainer.state.fn]
-            step = {TrainerFn.FITTING: module.training_step, TrainerFn.VALIDATING: module.validation_step,
-                    TrainerFn.TESTING: module.test_step, TrainerFn.PREDICTING: module.predict_step}[trainer.state.fn]
-            loaders = _loaders(loop._data_source.dataloader())
-            with torch.random.fork_rng():
-                batch = next(iter(loaders[0]))
-            whole = LocalBackbone(backbone, list(range(len(backbone))), len(backbone))
-            setattr(parent, name, whole)
-            try:
-                with LogRecorder().installed(module):
-                    (inputs,), _ = capture_input(whole, step, batch, 0)
-            finally:
-                setattr(parent, name, backbone)
+            inputs = _steps.first_backbone_input(module, parent, name, backbone)
             rows = inputs.shape[0] // microbatches_for(inputs.shape[0], self._microbatch_count())
-            costs = time_modules(list(backbone), inputs[:rows], self.root_device,
-                                 context=self.precision_plugin.train_step_context)
+            costs = time_modules(
+                list(backbone), inputs[:rows], self.root_device, context=self.precision_plugin.train_step_context
+            )
             rank_zero_info("PipelineStrategy: forward+backward ms per module: " + ", ".join(f"{c * 1e3:.2f}" for c in costs))
         return self.broadcast(costs)
 
@@ -445,87 +417,22 @@ class PipelineStrategy(ParallelStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Tensor:
         with self.precision_plugin.train_step_context():
-            return self._train_batch(*args, **kwargs)
-
-    def _train_batch(self, batch: Any, *rest: Any, **kwargs: Any) -> Tensor:
-        module = self.lightning_module
-        pipeline = self.pipeline
-        backbone = self._backbone()
-        step = module.training_step
-        inputs = self._capture(backbone, step, batch, *rest, **kwargs)
-        batch_size = int(inputs[0].shape[0])
-        num_microbatches = microbatches_for(batch_size, pipeline.num_microbatches)
-        # Lightning divides the returned loss by `accumulate_grad_batches` and back-propagates that; the schedule
-        # back-propagates each microbatch loss, so scale it by the same factor and by the microbatch count.
-        grad_scale = 1.0 / (num_microbatches * module.trainer.accumulate_grad_batches)
-        amp_scaler = getattr(self.precision_plugin, "scaler", None)
-        recorder = LogRecorder()
-        losses: list[Tensor] = []
-
-        def microbatch_loss(output: Tensor, rows: Tensor) -> Tensor:
-            start, stop = int(rows[0]), int(rows[-1]) + 1
-            sub_batch = slice_batch(batch, batch_size, start, stop)
-            recorder.rows = stop - start
-            with recorder.installed(module):
-                result = run_with_output(backbone, output, step, sub_batch, *rest, **kwargs)
-            loss = _loss_of(result)
-            losses.append(loss.detach())
-            loss = loss * grad_scale
-            return amp_scaler.scale(loss) if amp_scaler is not None else loss
-
-        self._pending_grads = pipeline.train_step(inputs, num_microbatches, microbatch_loss, self._params)
-        payload = None
-        if pipeline.has_last_stage:
-            payload = (torch.stack(losses).mean(), recorder.reduce(module))
-        loss, entries = self._train_channel.share(payload)
-        replay(module, entries, self.root_device, self.device_mesh.get_group("dp"))
-        return loss.to(self.root_device)
+            return _steps.train_batch(self, *args, **kwargs)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.val_step_context():
-            return self._eval_batch(self.lightning_module.validation_step, *args, **kwargs)
+            return _steps.eval_batch(self, self.lightning_module.validation_step, *args, **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.test_step_context():
-            return self._eval_batch(self.lightning_module.test_step, *args, **kwargs)
+            return _steps.eval_batch(self, self.lightning_module.test_step, *args, **kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.predict_step_context():
-            return self._eval_batch(self.lightning_module.predict_step, *args, **kwargs)
-
-    def _eval_batch(self, step: Any, *args: Any, **kwargs: Any) -> Any:
-        module = self.lightning_module
-        pipeline = self.pipeline
-        backbone = self._backbone()
-        inputs = self._capture(backbone, step, *args, **kwargs)
-        num_microbatches = microbatches_for(int(inputs[0].shape[0]), pipeline.num_microbatches)
-        output = pipeline.eval_step(inputs, num_microbatches)
-        payload = None
-        if pipeline.has_last_stage:
-            recorder = LogRecorder()
-            recorder.rows = int(inputs[0].shape[0])
-            with recorder.installed(module):
-                result = run_with_output(backbone, output, step, *args, **kwargs)
-            payload = (result, recorder.reduce(module))
-        result, entries = self._eval_channel.share(payload)
-        replay(module, entries, self.root_device, self.device_mesh.get_group("dp"))
-        return apply_to_collection(result, Tensor, lambda t: t.to(self.root_device))
-
-    def _capture(self, backbone: LocalBackbone, step: Any, *args: Any, **kwargs: Any) -> tuple[Tensor, ...]:
-        """The backbone input of this batch, found by running the step up to the backbone call."""
-        with LogRecorder().installed(self.lightning_module):  # the last stage logs this part per microbatch
-            inputs, input_kwargs = capture_input(backbone, step, *args, **kwargs)
-        if input_kwargs or len(inputs) != 1 or not isinstance(inputs[0], Tensor):
-            raise BackboneCallError(
-                "The pipelined backbone is an `nn.Sequential` and must be called with exactly one tensor, batch"
-                f" dimension first; it was called with {len(inputs)} positional and {len(input_kwargs)} keyword"
-                " arguments."
-            )
-        batch_size_of(inputs, input_kwargs)
-        return inputs
+            return _steps.eval_batch(self, self.lightning_module.predict_step, *args, **kwargs)
 
     def _backbone(self) -> LocalBackbone:
         _, _, backbone = resolve_backbone(self.lightning_module, self._backbone_path)
@@ -658,16 +565,6 @@ def _resolve_sizes(pp: _Size, dp: _Size, world_size: int) -> tuple[int, int]:
             " 'auto' and use a process count it divides."
         )
     return pp, dp
-
-
-def _loss_of(result: Any) -> Tensor:
-    loss = result.get("loss") if isinstance(result, dict) else result
-    if not isinstance(loss, Tensor):
-        raise BackboneCallError(
-            "Under `PipelineStrategy`, `training_step` must return the loss tensor (or a dict with 'loss') for every"
-            f" microbatch; it returned {type(result).__name__}. Skipping a step by returning None is not supported."
-        )
-    return loss
 
 
 def _loaders(loaders: Any) -> list[Any]:

@@ -114,7 +114,6 @@ def _schedule_has_loss(schedule: Any) -> bool:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-_STAGE_COMPUTE = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
 _STAGE_OPS = {  # getter -> (direction, payload)
     "get_fwd_recv_ops": ("recv", "act"),
     "get_fwd_send_ops": ("send", "act"),
@@ -140,6 +139,14 @@ def _device_sync(device: Optional[Union[str, torch.device]]) -> Optional[Callabl
     if sync is None:
         return None
     return lambda: sync(device)
+
+
+def _barrier(group: Optional[dist.ProcessGroup], device: Optional[Union[str, torch.device]]) -> None:
+    device = torch.device(device) if device is not None else None
+    if device is not None and device.type == "cuda" and device.index is not None and dist.get_backend(group) == "nccl":
+        dist.barrier(group=group, device_ids=[device.index])
+    else:
+        dist.barrier(group=group)
 
 
 class TimelineRecorder:
@@ -213,7 +220,7 @@ class TimelineRecorder:
             install(_torch_schedules, _P2P_POST, self._wrap_post)
             install(_torch_schedules, _P2P_WAIT, self._wrap_wait)
             if distributed and self.barrier:
-                dist.barrier(group=self.group)
+                _barrier(self.group, self.device)
             self._origin = time.perf_counter_ns()
             try:
                 yield self
@@ -299,7 +306,8 @@ class TimelineRecorder:
             if mb is None:
                 return ops
             for op in ops:
-                label = {"dir": direction, "what": payload, "stage": stage, "mb": int(mb), "peer": getattr(op, "peer", None)}
+                peer = getattr(op, "peer", None)
+                label = {"dir": direction, "what": payload, "stage": stage, "mb": int(mb), "peer": peer}
                 self._op_labels[id(op)] = (op, label)  # the op is kept alive, so its id is not reused
             return ops
 
@@ -347,7 +355,8 @@ class TimelineRecorder:
         if known is not None:
             return known[1]
         name = getattr(getattr(op, "op", None), "__name__", "")
-        return {"dir": "send" if "send" in name else "recv" if "recv" in name else "p2p", "peer": getattr(op, "peer", None)}
+        direction = "send" if "send" in name else "recv" if "recv" in name else "p2p"
+        return {"dir": direction, "peer": getattr(op, "peer", None)}
 
     def _add_comm(self, phase: str, labels: list[dict[str, Any]], t0: int, t1: int) -> None:
         directions = {label["dir"] for label in labels}
@@ -375,7 +384,9 @@ def _describe(label: dict[str, Any]) -> str:
 # gathering and reporting
 
 
-def gather_events(events: Sequence[Event], group: Optional[dist.ProcessGroup] = None, dst: int = 0) -> Optional[list[Event]]:
+def gather_events(
+    events: Sequence[Event], group: Optional[dist.ProcessGroup] = None, dst: int = 0
+) -> Optional[list[Event]]:
     """Every rank's events, on rank ``dst`` of ``group`` (sorted by rank, then start); ``None`` on the others.
 
     A collective: call it on every rank of ``group``. Without an initialised process group, returns ``events``."""
@@ -506,10 +517,9 @@ def write_chrome_trace(all_events: Iterable[Event], path: Union[str, os.PathLike
         meta.append({"name": "process_sort_index", "ph": "M", "pid": rank, "tid": 0, "args": {"sort_index": rank}})
     for rank, tid in sorted(threads, key=lambda rt: (rt[0], _thread_order(rt[1]))):
         name = tid if isinstance(tid, str) else f"stage {tid}"
+        order = _thread_order(tid)
         meta.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": tid, "args": {"name": name}})
-        meta.append(
-            {"name": "thread_sort_index", "ph": "M", "pid": rank, "tid": tid, "args": {"sort_index": _thread_order(tid)}}
-        )
+        meta.append({"name": "thread_sort_index", "ph": "M", "pid": rank, "tid": tid, "args": {"sort_index": order}})
     trace.sort(key=lambda t: (t["pid"], t["ts"]))
     with open(path, "w") as f:
         json.dump({"traceEvents": meta + trace, "displayTimeUnit": "ms"}, f)
@@ -542,7 +552,7 @@ def write_png(all_events: Iterable[Event], path: Union[str, os.PathLike], title:
     ranks = sorted({int(e["rank"]) for e in events})
     t0 = min(e["start"] for e in events)
     span_ms = max(max(e["end"] for e in events) - t0, 1e-6) / 1000.0
-    stages_of = {r: sorted({int(e["stage"]) for e in events if e["rank"] == r and e["cat"] in COMPUTE_CATS}) for r in ranks}
+    stages_of = {r: {int(e["stage"]) for e in events if e["rank"] == r and e["cat"] in COMPUTE_CATS} for r in ranks}
     # The Agg canvas directly, not pyplot: no global backend is chosen or changed, no window can open.
     fig = Figure(figsize=(12, 1.0 + 0.9 * len(ranks)))
     FigureCanvasAgg(fig)
@@ -661,7 +671,10 @@ def report(
 def timeline_metrics(summary: dict[str, Any], prefix: str = "timeline/") -> dict[str, float]:
     """Flat float metrics of a :func:`summarize` result, for ``logger.log_metrics``: the bubble fraction, the
     span, and busy seconds per stage and per rank."""
-    metrics = {f"{prefix}bubble_fraction": float(summary["bubble_fraction"]), f"{prefix}span_s": float(summary["span_s"])}
+    metrics = {
+        f"{prefix}bubble_fraction": float(summary["bubble_fraction"]),
+        f"{prefix}span_s": float(summary["span_s"]),
+    }
     for stage, seconds in summary["stage_busy_s"].items():
         metrics[f"{prefix}stage{stage}_busy_s"] = float(seconds)
     for rank, seconds in summary["busy_s"].items():

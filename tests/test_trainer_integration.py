@@ -3,13 +3,9 @@
 from __future__ import annotations
 
 import csv
-from pathlib import Path
 
 import lightning as L
-import pytest
-import torch
 
-import models
 from helpers import HERE, assert_parity, reference, run_job, run_script
 from lightning_pipe import PipelineStrategy
 
