@@ -11,6 +11,7 @@ ragged last batch gets its own correctly-shaped schedule instead of reusing stal
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import nullcontext
 from itertools import chain
 from typing import Any, Callable, Optional
 
@@ -29,6 +30,7 @@ from torch.distributed.pipelining.schedules import (
 from torch.func import functional_call
 
 from lightning_pipe.partition import StageLayout
+from lightning_pipe.timeline import TimelineRecorder
 
 #: Schedules selectable by name. Each is torch's own class; see ``torch.distributed.pipelining.schedules``.
 SCHEDULE_NAMES = ("1F1B", "GPipe", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
@@ -117,9 +119,11 @@ class StagePipeline:
         num_microbatches: int,
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         params: Sequence[nn.Parameter],
+        timeline: Optional[TimelineRecorder] = None,
     ) -> list[Optional[torch.Tensor]]:
         """Forward and backward of one batch. Returns the new gradients of ``params`` and leaves ``p.grad`` as
-        it was, so the caller decides when to add them (after Lightning's ``zero_grad``)."""
+        it was, so the caller decides when to add them (after Lightning's ``zero_grad``). With ``timeline``, the
+        schedule's step is traced into it (:mod:`lightning_pipe.timeline`; a barrier over the pipeline group)."""
         schedule = self._schedule_for(inputs, num_microbatches, training=True)
         batch_size = int(inputs[0].shape[0])
         target = self._targets.get(batch_size)
@@ -130,7 +134,8 @@ class StagePipeline:
             p.grad = None
         self._loss_fn = loss_fn
         try:
-            schedule.step(*(inputs if self.has_first_stage else ()), target=target, return_outputs=False)
+            with timeline.trace(schedule) if timeline is not None else nullcontext():
+                schedule.step(*(inputs if self.has_first_stage else ()), target=target, return_outputs=False)
         finally:
             self._loss_fn = None
             new_grads = [p.grad for p in params]

@@ -60,12 +60,15 @@ def train_batch(strategy: PipelineStrategy, batch: Any, *rest: Any, **kwargs: An
         loss = loss * grad_scale
         return amp_scaler.scale(loss) if amp_scaler is not None else loss
 
-    strategy._pending_grads = pipeline.train_step(inputs, num_microbatches, microbatch_loss, strategy._params)
+    timeline = strategy._timeline_recorder()
+    strategy._pending_grads = pipeline.train_step(inputs, num_microbatches, microbatch_loss, strategy._params, timeline)
     payload = None
     if pipeline.has_last_stage:
         payload = (torch.stack(losses).mean(), recorder.reduce(module))
     loss, entries = strategy._train_channel.share(payload)
     replay(module, entries, strategy.root_device, strategy.device_mesh.get_group("dp"))
+    if timeline is not None:
+        strategy._report_timeline(timeline)
     return loss.to(strategy.root_device)
 
 

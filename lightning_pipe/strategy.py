@@ -41,6 +41,7 @@ from lightning_pipe import checkpoint as _ckpt
 from lightning_pipe.backbone import LocalBackbone, resolve_backbone
 from lightning_pipe import stage as _stage
 from lightning_pipe import steps as _steps
+from lightning_pipe import timeline as _timeline
 from lightning_pipe.gradients import agree_on_overflow, clip_by_global_norm
 from lightning_pipe.logging_bridge import LogChannel
 from lightning_pipe.partition import BALANCE_MODES, StageLayout, make_layout
@@ -94,6 +95,12 @@ class PipelineStrategy(ParallelStrategy):
         precision_plugin: as for every Lightning strategy; normally set by the Trainer's ``precision=``.
         process_group_backend: ``"gloo"`` on CPU and ``"nccl"`` on GPU unless given.
         timeout: how long a collective or point-to-point transfer may wait before the job fails.
+        timeline: trace one training step to see where the pipeline waits. ``True``: the first batch of
+            ``global_step`` 1 (step 0 also sets the schedule up); an int: of that step; a directory; or a dict or
+            :class:`~lightning_pipe.timeline.TimelineOptions` with ``step``, ``dirpath``, ``png``. Global rank 0
+            writes ``timeline.json`` (open in https://ui.perfetto.dev) and ``timeline.png`` (needs matplotlib) into
+            ``dirpath`` (default: the Trainer's ``log_dir``) and logs ``timeline/bubble_fraction`` and
+            ``timeline/stage<s>_busy_s`` to the Trainer's loggers.
     """
 
     strategy_name = "pipeline"
@@ -115,6 +122,7 @@ class PipelineStrategy(ParallelStrategy):
         precision_plugin: Optional[Precision] = None,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
+        timeline: Union[None, bool, int, str, dict, _timeline.TimelineOptions] = None,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -159,6 +167,8 @@ class PipelineStrategy(ParallelStrategy):
         self._activation_checkpointing = activation_checkpointing
         self._process_group_backend = process_group_backend
         self._timeout = timeout
+        self._timeline = _timeline.TimelineOptions.resolve(timeline)
+        self._timeline_done = False
         self._device_mesh: Optional[DeviceMesh] = None
         self._pipeline: Optional[StagePipeline] = None
         self._pending_grads: Optional[list[Optional[Tensor]]] = None
@@ -414,6 +424,38 @@ class PipelineStrategy(ParallelStrategy):
             )
 
     # ------------------------------------------------------------------ steps
+    def _timeline_recorder(self) -> Optional[_timeline.TimelineRecorder]:
+        """A recorder if this is the batch ``timeline=`` asks for: the first one of that ``global_step``."""
+        options = self._timeline
+        if options is None or self._timeline_done or self.lightning_module.trainer.global_step != options.step:
+            return None
+        self._timeline_done = True
+        return _timeline.TimelineRecorder(self.pipeline.group, self.root_device)
+
+    def _report_timeline(self, recorder: _timeline.TimelineRecorder) -> None:
+        """Global rank 0 writes the trace and logs the bubble and busy times. Every rank calls it (collectives)."""
+        assert self._timeline is not None
+        trainer = self.lightning_module.trainer
+        dirpath = self._timeline.dirpath or trainer.log_dir or trainer.default_root_dir  # log_dir broadcasts
+        write = self.is_global_zero
+        summary = _timeline.report(recorder.events, self.pipeline.group, dirpath, write=write, png=self._timeline.png)
+        if summary is None or not write:
+            return
+        metrics = _timeline.timeline_metrics(summary)
+        ideal = ""
+        if self._schedule_name in ("1F1B", "GPipe", "Interleaved1F1B"):
+            value = _timeline.ideal_bubble_fraction(
+                self.pipeline_parallel_size, summary["num_microbatches"], self._stages_per_rank
+            )
+            metrics["timeline/ideal_bubble_fraction"] = value
+            ideal = f" (ideal {value:.1%})"
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+        rank_zero_info(
+            f"PipelineStrategy timeline of step {trainer.global_step}: measured bubble {summary['bubble_fraction']:.1%}"
+            f"{ideal} over {summary['span_s'] * 1e3:.1f} ms; wrote {', '.join(summary['files']) or 'nothing'}"
+        )
+
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Tensor:
         with self.precision_plugin.train_step_context():

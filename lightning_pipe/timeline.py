@@ -413,7 +413,8 @@ def summarize(all_events: Iterable[Event], num_ranks: int) -> dict[str, Any]:
     ``bubble_fraction = 1 - sum(busy_s) / (num_ranks * span_s)``: the share of the pipeline's rank-time not spent
     computing (waiting, transferring, and schedule overhead), to compare with ``ideal_bubble_fraction``.
     ``step_s``: the longest whole traced step on any rank (from its origin to the end of ``schedule.step``,
-    including splitting the batch and, on a schedule's first step, its set-up).
+    including splitting the batch and, on a schedule's first step, its set-up). ``num_stages`` and
+    ``num_microbatches``: how many distinct stages and microbatches ran a forward.
     """
     events = list(all_events)
     timed = [e for e in events if e["cat"] != "step"]
@@ -451,6 +452,8 @@ def summarize(all_events: Iterable[Event], num_ranks: int) -> dict[str, Any]:
         "comm_s": comm,
         "compute_s_by_kind": by_kind,
         "num_events": len(timed),
+        "num_stages": len({e["stage"] for e in timed if e["cat"] == "forward"}),
+        "num_microbatches": len({e["mb"] for e in timed if e["cat"] == "forward"}),
     }
 
 
