@@ -72,23 +72,70 @@ class LogRecorder:
                         f"`self.log({name!r}, metric)` under `PipelineStrategy` needs the metric to be an attribute of"
                         " the LightningModule, so every rank can log it."
                     )
-                entries.append((name, _MetricRef(metric_names[id(last)]), options))
+                entries.append((name, _MetricRef(metric_names[id(last)], last._forward_cache), options))
                 continue
             entries.append((name, _weighted_mean(name, values, self.batch_sizes[name]), options))
+        states = _MetricStates.of(module)
+        if states.templates:
+            entries.append(("", states, {}))
         return entries
 
 
 class _MetricRef:
-    """A picklable pointer to a ``Metric`` submodule of the LightningModule."""
+    """A picklable pointer to a ``Metric`` submodule of the LightningModule, with the value of its last
+    ``forward`` (the batch value Lightning logs for ``on_step=True``): only the last stage ran ``forward``."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, forward_cache: Any = None) -> None:
         self.path = path
+        cache = forward_cache.detach().cpu() if isinstance(forward_cache, torch.Tensor) else None
+        self.forward_cache: Optional[torch.Tensor] = cache
 
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _MetricRef) and other.path == self.path
+    def _key(self) -> tuple:
+        cache = self.forward_cache
+        return (self.path, None if cache is None else (cache.dtype, tuple(cache.shape)))
+
+    def __eq__(self, other: object) -> bool:  # the value of the cache is not part of the identity
+        return isinstance(other, _MetricRef) and other._key() == self._key()
 
     def __hash__(self) -> int:
-        return hash(self.path)
+        return hash(self._key())
+
+
+class _MetricStates:
+    """Dtype and trailing shape of every non-empty list ("cat") state of the module's metrics.
+
+    Only the last stage updates metrics; the other stages keep empty states, which add nothing when
+    ``compute()`` syncs over the world. For a list state torchmetrics all-gathers one tensor per rank and fills
+    an empty list with a float32 tensor, which does not match an integer state (the targets of ``AUROC``,
+    ``AveragePrecision``, ...) on the last stage: the collective fails. :meth:`pad` gives each empty list one
+    zero-row tensor of the right dtype instead, which gathers cleanly and adds no rows.
+    """
+
+    def __init__(self, templates: tuple[tuple[str, str, torch.dtype, tuple[int, ...]], ...]) -> None:
+        self.templates = templates
+
+    @classmethod
+    def of(cls, module: LightningModule) -> "_MetricStates":
+        templates = []
+        for path, metric in module.named_modules():
+            if isinstance(metric, Metric):
+                for state in metric._defaults:
+                    value = getattr(metric, state)
+                    if isinstance(value, list) and value and isinstance(value[0], torch.Tensor):
+                        templates.append((path, state, value[0].dtype, tuple(value[0].shape[1:])))
+        return cls(tuple(templates))
+
+    def pad(self, module: LightningModule, device: torch.device) -> None:
+        for path, state, dtype, trailing in self.templates:
+            value = getattr(module.get_submodule(path), state)
+            if isinstance(value, list) and not value:
+                value.append(torch.empty((0, *trailing), dtype=dtype, device=device))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _MetricStates) and other.templates == self.templates
+
+    def __hash__(self) -> int:
+        return hash(self.templates)
 
 
 def _weighted_mean(name: str, values: list[Any], weights: list[int]) -> torch.Tensor:
@@ -134,7 +181,7 @@ class LogChannel:
             if fast:
                 if result is not None:
                     buffer[1] = result.detach().double()
-                values = [v for _, v, _ in entries if not isinstance(v, _MetricRef)]
+                values = _slot_values(entries)
                 if values:
                     buffer[2 : 2 + len(values)] = torch.stack([v.detach().double().reshape(()) for v in values])
                 buffer[0] = 1
@@ -155,7 +202,10 @@ class LogChannel:
         result = values[0].to(result_dtype) if result_dtype is not None else None
         entries, i = [], 1
         for name, options, kind in keys:
-            if isinstance(kind, _MetricRef):
+            if isinstance(kind, _MetricRef) and kind.forward_cache is not None:
+                entries.append((name, _MetricRef(kind.path, values[i].to(kind.forward_cache.dtype)), dict(options)))
+                i += 1
+            elif isinstance(kind, (_MetricRef, _MetricStates)):
                 entries.append((name, kind, dict(options)))
             else:
                 entries.append((name, values[i].to(kind), dict(options)))
@@ -178,13 +228,27 @@ def _signature(result: Any, entries: list) -> Optional[tuple]:
             hash(frozen)
         except TypeError:
             return None
-        if isinstance(value, _MetricRef):
+        if isinstance(value, _MetricRef) and value.forward_cache is not None and value.forward_cache.dim() != 0:
+            return None
+        if isinstance(value, (_MetricRef, _MetricStates)):
             keys.append((name, frozen, value))
         elif isinstance(value, torch.Tensor) and value.dim() == 0:
             keys.append((name, frozen, value.dtype))
         else:
             return None
     return (head, *keys)
+
+
+def _slot_values(entries: list) -> list[torch.Tensor]:
+    """The scalars the values-only path sends, in entry order: logged values and metrics' batch values."""
+    values = []
+    for _, value, _ in entries:
+        if isinstance(value, _MetricRef):
+            if value.forward_cache is not None:
+                values.append(value.forward_cache)
+        elif not isinstance(value, _MetricStates):
+            values.append(value)
+    return values
 
 
 def _to_cpu(obj: Any) -> Any:
@@ -207,8 +271,14 @@ def replay(
 ) -> None:
     """Log each reduced entry for real on this rank; ``sync_dist`` reduces over ``replica_group``."""
     for name, value, options in entries:
+        if isinstance(value, _MetricStates):
+            value.pad(module, device)
+            continue
         if isinstance(value, _MetricRef):
-            value = module.get_submodule(value.path)
+            metric = module.get_submodule(value.path)
+            if value.forward_cache is not None:
+                metric._forward_cache = value.forward_cache.to(device)
+            value = metric
         elif isinstance(value, torch.Tensor):
             value = value.to(device)
         if options.get("sync_dist") and options.get("sync_dist_group") is None:

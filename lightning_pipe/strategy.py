@@ -259,8 +259,11 @@ class PipelineStrategy(ParallelStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         self._setup_distributed()
-        pp, dp = _resolve_sizes(self._pipeline_parallel_size, self._data_parallel_size, self.world_size)
-        self._device_mesh = init_device_mesh(self.root_device.type, (dp, pp), mesh_dim_names=("dp", "pp"))
+        if self._device_mesh is None:
+            # Built once per strategy: Lightning keeps each logged key's `sync_dist_group` across `fit`, `validate`,
+            # `test` on one Trainer and refuses another group object for the same key.
+            pp, dp = _resolve_sizes(self._pipeline_parallel_size, self._data_parallel_size, self.world_size)
+            self._device_mesh = init_device_mesh(self.root_device.type, (dp, pp), mesh_dim_names=("dp", "pp"))
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
 
@@ -295,6 +298,12 @@ class PipelineStrategy(ParallelStrategy):
                 f"`{type(self).__name__}` runs forward and backward inside the pipeline schedule, so manual"
                 " optimization (`self.automatic_optimization = False`) is not supported. Remove it and return the"
                 " loss from `training_step`; Lightning then steps the optimizers."
+            )
+        if self._layer_sync is not None:
+            raise ValueError(
+                f"`Trainer(sync_batchnorm=True)` is not supported by `{type(self).__name__}`: a BatchNorm layer lives"
+                " on one stage and normalises each microbatch, and there is no group to synchronise it over that"
+                " would match single-device statistics. Remove `sync_batchnorm=True` (see docs/evaluation.md)."
             )
         backbone = self._split(module)
         _stage.materialize_local(module, backbone, self.root_device)

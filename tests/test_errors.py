@@ -135,3 +135,10 @@ def test_an_exception_in_one_stage_ends_the_job(case, tmp_path):
     assert proc.returncode != 0
     assert "user error on rank" in proc.stdout, proc.stdout[-4000:]
     assert time.monotonic() - start < 60
+
+
+def test_sync_batchnorm_is_refused():
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=PipelineStrategy(), sync_batchnorm=True, max_steps=1,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    with pytest.raises(ValueError, match="sync_batchnorm=True"):
+        trainer.fit(models.TinyLM(), models.loader(n=16))
