@@ -102,9 +102,7 @@ def default_num_microbatches(
     _check_positive("batch_size", batch_size)
     target = microbatch_target(pipeline_parallel_size, stages_per_rank, schedule)
     accepted = [
-        d
-        for d in _divisors(batch_size)
-        if valid_num_microbatches(d, pipeline_parallel_size, stages_per_rank, schedule)
+        d for d in _divisors(batch_size) if valid_num_microbatches(d, pipeline_parallel_size, stages_per_rank, schedule)
     ]
     if not accepted:
         smallest = pipeline_parallel_size * (stages_per_rank if schedule == "DualPipeV" else 1)
@@ -208,11 +206,12 @@ class Plan:
 
     def describe(self) -> str:
         """A few lines a person can read: the layout, the predictions and the ``PipelineStrategy`` call."""
-        per_rank = "1 stage" if self.stages_per_rank == 1 else f"{self.stages_per_rank} stages"
+        per_rank = _plural(self.stages_per_rank, "stage")
+        micro = _plural(self.num_microbatches, "microbatch", "microbatches")
         lines = [
-            f"pipeline {self.pipeline_parallel_size} x data-parallel {self.data_parallel_size} ({self.devices} devices),"
-            f" schedule {self.schedule}, {per_rank} per process",
-            f"  {self.num_microbatches} microbatches of {self.microbatch_size} samples (batch {self.batch_size_per_replica}"
+            f"pipeline {self.pipeline_parallel_size} x data-parallel {self.data_parallel_size}"
+            f" ({self.devices} devices), schedule {self.schedule}, {per_rank} per process",
+            f"  {micro} of {_plural(self.microbatch_size, 'sample')} (batch {self.batch_size_per_replica}"
             f" per replica, {self.global_batch_size} global)",
             f"  modules per stage: {list(self.balance)}; slowest stage costs {_num(max(self.stage_costs, default=0))}"
             f" per sample (stages: {', '.join(_num(c) for c in self.stage_costs)})",
@@ -225,7 +224,11 @@ class Plan:
             lines.append(
                 f"  memory per device {format_bytes(self.predicted_memory_per_device)}"
                 f" (weights, gradients and optimizer state {format_bytes(self.state_memory or 0)},"
-                f" activations {format_bytes(self.activation_memory or 0)})"
+                + (
+                    " activations not counted)"
+                    if self.activation_memory is None
+                    else f" activations {format_bytes(self.activation_memory)})"
+                )
                 + ("" if self.fits else "  OVER BUDGET")
             )
         if self.pipeline_parallel_size == 1:
@@ -392,6 +395,8 @@ def _all_plans(
                         schedule, p, v, m, b, stage_weights, stage_acts, optimizer_multiplier
                     )
                     memory = state + activation
+                    if activation_bytes is None:
+                        activation = None  # not counted, rather than zero
                     fits = memory_budget is None or memory <= memory_budget
                 plans.append(
                     Plan(
@@ -493,7 +498,10 @@ def backbone_profile(
     counts = [float(sum(p.numel() for p in module.parameters())) for module in modules]
     param_bytes = [
         float(
-            sum(p.numel() * (bytes_per_parameter if bytes_per_parameter else p.element_size()) for p in module.parameters())
+            sum(
+                p.numel() * (bytes_per_parameter if bytes_per_parameter else p.element_size())
+                for p in module.parameters()
+            )
         )
         for module in modules
     ]
@@ -544,17 +552,16 @@ def measure_activation_bytes(modules: nn.Sequential, example_input: Any) -> Opti
 
     def saved(batch: int) -> list[float]:
         x: Any = torch.zeros((batch, *sample_shape), dtype=dtype, device="meta")
-        out = []
+        out: list[float] = []
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            out[-1] += t.numel() * t.element_size()  # counted against the module running now
+            return t
+
         for module in meta:
-            total = [0.0]
-
-            def pack(t: torch.Tensor) -> torch.Tensor:
-                total[0] += t.numel() * t.element_size()
-                return t
-
+            out.append(0.0)
             with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 x = module(x)
-            out.append(total[0])
         return out
 
     try:
@@ -621,6 +628,10 @@ def _bounds(sizes: Sequence[int]) -> list[tuple[int, int]]:
 def _check_positive(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
+
+
+def _plural(n: int, one: str, many: str = "") -> str:
+    return f"{n} {one if n == 1 else (many or one + 's')}"
 
 
 def _num(x: float) -> str:
@@ -696,30 +707,54 @@ def _build_arg_parser() -> argparse.ArgumentParser:
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--config", required=True, help="LightningCLI YAML with `model` (and optionally `data`, `trainer`).")
+    parser.add_argument(
+        "--config", required=True, help="LightningCLI YAML with `model` (and optionally `data`, `trainer`)."
+    )
     parser.add_argument("--devices", type=int, help="devices per node (default: the config's trainer.devices).")
     parser.add_argument("--num-nodes", type=int, help="nodes (default: the config's trainer.num_nodes, else 1).")
-    parser.add_argument("--batch-size", type=int, help="per-process dataloader batch (default: data.init_args.batch_size).")
+    parser.add_argument(
+        "--batch-size", type=int, help="per-process dataloader batch (default: data.init_args.batch_size)."
+    )
     parser.add_argument("--global-batch-size", type=int, help="samples per optimizer step over all replicas.")
     parser.add_argument("--memory-budget", help="bytes one device may use, e.g. 16GiB, 80GB, 1e10.")
     parser.add_argument("--pipeline-parallel-size", type=int, help="consider only this pipeline size.")
-    parser.add_argument("--backbone", help="dotted attribute path of the nn.Sequential (default: the config's, else 'backbone').")
+    parser.add_argument(
+        "--backbone", help="dotted attribute path of the nn.Sequential (default: the config's, else 'backbone')."
+    )
     parser.add_argument(
         "--costs",
         default="parameters",
-        help="'parameters' (default), or forward+backward times per sample, one per module: '1.0,2.5,...' or a JSON file.",
+        help="'parameters' (default), or forward+backward times per sample, one per module: '1.0,2.5,...' or a"
+        " JSON file.",
     )
     parser.add_argument(
         "--input-shape",
-        help="per-sample shape of the backbone input, e.g. '2048' or '3,224,224': measures activations on the meta device.",
+        help="per-sample shape of the backbone input, e.g. '2048' or '3,224,224': measures activations on the meta"
+        " device.",
     )
     parser.add_argument("--input-dtype", default="float32", help="dtype of that input (e.g. long for token ids).")
-    parser.add_argument("--bytes-per-parameter", type=float, help="override the parameters' element size (2 for bf16-true).")
-    parser.add_argument("--optimizer-multiplier", type=float, default=3.0, help="gradient + optimizer copies of the weights (Adam: 3, SGD+momentum: 2).")
-    parser.add_argument("--microbatch-overhead", type=float, default=0.01, help="cost per microbatch and stage, as a fraction of the ideal step time.")
-    parser.add_argument("--schedules", default=",".join(PLANNED_SCHEDULES), help="comma-separated schedules to consider.")
+    parser.add_argument(
+        "--bytes-per-parameter", type=float, help="override the parameters' element size (2 for bf16-true)."
+    )
+    parser.add_argument(
+        "--optimizer-multiplier",
+        type=float,
+        default=3.0,
+        help="gradient + optimizer copies of the weights (Adam: 3, SGD+momentum: 2).",
+    )
+    parser.add_argument(
+        "--microbatch-overhead",
+        type=float,
+        default=0.01,
+        help="cost per microbatch and stage, as a fraction of the ideal step time.",
+    )
+    parser.add_argument(
+        "--schedules", default=",".join(PLANNED_SCHEDULES), help="comma-separated schedules to consider."
+    )
     parser.add_argument("--model-class", help="class path of the model when the config's `model` has no class_path.")
-    parser.add_argument("--top", type=int, default=8, help="how many plans to list (the best per pipeline size and schedule).")
+    parser.add_argument(
+        "--top", type=int, default=8, help="how many plans to list (the best per pipeline size and schedule)."
+    )
     return parser
 
 
@@ -781,9 +816,7 @@ def _devices(trainer: dict[str, Any], devices: Optional[int], num_nodes: Optiona
         elif isinstance(value, int) and value > 0:
             devices = value
         else:
-            raise SystemExit(
-                f"error: cannot tell the device count from trainer.devices={value!r}; give --devices N."
-            )
+            raise SystemExit(f"error: cannot tell the device count from trainer.devices={value!r}; give --devices N.")
     nodes = num_nodes if num_nodes is not None else int(trainer.get("num_nodes") or 1)
     return devices * nodes
 
@@ -823,7 +856,18 @@ def _parse_costs(text: str) -> Union[str, list[float]]:
 
 def _table(plans: Sequence[Plan]) -> str:
     best = plans[0].predicted_step_time
-    header = ["pp", "dp", "schedule", "v", "micro", "mb size", "bubble", "rel. time", "memory/device", "modules per stage"]
+    header = [
+        "pp",
+        "dp",
+        "schedule",
+        "v",
+        "micro",
+        "mb size",
+        "bubble",
+        "rel. time",
+        "memory/device",
+        "modules per stage",
+    ]
     rows = []
     for plan in plans:
         memory = "-" if plan.predicted_memory_per_device is None else format_bytes(plan.predicted_memory_per_device)

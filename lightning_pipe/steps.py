@@ -25,7 +25,6 @@ from lightning_pipe.backbone import (
     slice_batch,
 )
 from lightning_pipe.logging_bridge import LogRecorder, replay
-from lightning_pipe.pipeline import microbatches_for
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -41,7 +40,7 @@ def train_batch(strategy: PipelineStrategy, batch: Any, *rest: Any, **kwargs: An
     step = module.training_step
     inputs = capture_inputs(module, backbone, step, batch, *rest, **kwargs)
     batch_size = int(inputs[0].shape[0])
-    num_microbatches = microbatches_for(batch_size, pipeline.num_microbatches)
+    num_microbatches = strategy._microbatch_count(batch_size)
     # Lightning divides the returned loss by `accumulate_grad_batches` and back-propagates that; the schedule
     # back-propagates each microbatch loss, so scale it by the same factor and by the microbatch count.
     grad_scale = 1.0 / (num_microbatches * module.trainer.accumulate_grad_batches)
@@ -78,7 +77,7 @@ def eval_batch(strategy: PipelineStrategy, step: Callable[..., Any], *args: Any,
     pipeline = strategy.pipeline
     backbone = strategy._backbone()
     inputs = capture_inputs(module, backbone, step, *args, **kwargs)
-    num_microbatches = microbatches_for(int(inputs[0].shape[0]), pipeline.num_microbatches)
+    num_microbatches = strategy._microbatch_count(int(inputs[0].shape[0]))
     output = pipeline.eval_step(inputs, num_microbatches)
     payload = None
     if pipeline.has_last_stage:

@@ -69,9 +69,12 @@ class PipelineStrategy(ParallelStrategy):
             ``world_size // data_parallel_size`` when that is given.
         data_parallel_size: pipeline replicas, each fed its own share of the data. ``"auto"``:
             ``world_size // pipeline_parallel_size``.
-        num_microbatches: microbatches each batch is split into. ``"auto"``: ``4 * pipeline_parallel_size``
-            (a bubble of at most about 20%). A batch it does not divide (a ragged last batch) uses the largest
-            count below it that does, so every microbatch has the same size.
+        num_microbatches: microbatches each batch is split into. A batch it does not divide (a ragged last
+            batch) uses the largest count below it that does, so every microbatch has the same size. ``"auto"``:
+            chosen for each batch size by :func:`lightning_pipe.plan.default_num_microbatches`: the smallest
+            divisor of the batch size that is at least ``4 * pipeline_parallel_size`` (``2 *`` with two stages
+            per process; a bubble under 20%) and that the schedule accepts, else the largest accepted one below
+            it; 1 for a pipeline of one process. See ``docs/planner.md``.
         schedule: a ``torch.distributed.pipelining`` schedule by name: ``"1F1B"`` (default), ``"GPipe"``,
             ``"Interleaved1F1B"``, ``"LoopedBFS"``, ``"InterleavedZeroBubble"``, ``"ZBVZeroBubble"`` or
             ``"DualPipeV"``.
@@ -336,10 +339,18 @@ class PipelineStrategy(ParallelStrategy):
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
 
-    def _microbatch_count(self) -> int:
-        if self._num_microbatches == "auto":
-            return 4 * self.pipeline_parallel_size
-        return self._num_microbatches
+    def _microbatch_count(self, batch_size: Optional[int] = None) -> int:
+        """Microbatches for a batch of ``batch_size`` samples; without one, the nominal count (checked at setup)."""
+        if self._num_microbatches != "auto":
+            fixed = self._num_microbatches
+            return fixed if batch_size is None else microbatches_for(batch_size, fixed)
+        # imported here, not at the top: `python -m lightning_pipe.plan` must not find the module already imported
+        from lightning_pipe.plan import default_num_microbatches, microbatch_target
+
+        pp, spr, schedule = self.pipeline_parallel_size, self._stages_per_rank, self._schedule_name
+        if batch_size is None:
+            return microbatch_target(pp, spr, schedule)
+        return default_num_microbatches(batch_size, pp, spr, schedule)
 
     def _split(self, module: pl.LightningModule) -> LocalBackbone:
         """Replace the backbone by this rank's stages; a module split before (fit, then validate) is reused."""
@@ -384,7 +395,7 @@ class PipelineStrategy(ParallelStrategy):
         costs = None
         if self.is_global_zero:
             inputs = _steps.first_backbone_input(module, parent, name, backbone)
-            rows = inputs.shape[0] // microbatches_for(inputs.shape[0], self._microbatch_count())
+            rows = inputs.shape[0] // self._microbatch_count(int(inputs.shape[0]))
             costs = time_modules(
                 list(backbone), inputs[:rows], self.root_device, context=self.precision_plugin.train_step_context
             )
@@ -424,8 +435,11 @@ class PipelineStrategy(ParallelStrategy):
 
     def _check_batch_size(self, loader: Any, split: str) -> None:
         batch_size = getattr(loader, "batch_size", None)
+        if isinstance(batch_size, int) and self._num_microbatches == "auto":
+            self._microbatch_count(batch_size)  # raises, naming the fix, when no microbatch count suits the batch
+            return
         wanted = self._microbatch_count()
-        if isinstance(batch_size, int) and self._num_microbatches != "auto" and batch_size < wanted:
+        if isinstance(batch_size, int) and batch_size < wanted:
             raise ValueError(
                 f"`PipelineStrategy(num_microbatches={wanted})` splits each batch into {wanted} microbatches, but the"
                 f" {split} batch size is {batch_size}. Raise the batch size to at least {wanted}, or lower"

@@ -86,3 +86,9 @@ def test_single_process_pipeline_matches_plain_lightning(tmp_path):
     spec = {"devices": 1, "strategy": {"num_microbatches": 4}, "data": {"n": 32, "batch_size": 8},
             "trainer": {"max_epochs": 1, "gradient_clip_val": 0.05}}
     assert_parity(run_job(spec, tmp_path), reference(spec, tmp_path))
+
+
+def test_auto_microbatches_adapt_to_each_batch_and_stay_exact(tmp_path):
+    spec = {"devices": 2, "strategy": {"num_microbatches": "auto", "schedule": "Interleaved1F1B"},
+            "data": {"n": 44, "batch_size": 8}, "trainer": {"max_epochs": 1}}
+    assert_parity(run_job(spec, tmp_path), reference(spec, tmp_path))

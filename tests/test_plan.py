@@ -1,0 +1,323 @@
+"""The planner: a pure cost model and search (no processes), plus one run of its command line."""
+
+import itertools
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from lightning_pipe.plan import (
+    Plan,
+    default_num_microbatches,
+    format_bytes,
+    main,
+    microbatch_target,
+    parse_bytes,
+    plan_for_module,
+    plan_pipeline,
+    search_plans,
+    valid_num_microbatches,
+)
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def _best_max_stage(costs, stages):
+    return min(
+        max(sum(costs[a:b]) for a, b in zip((0, *cuts), (*cuts, len(costs))))
+        for cuts in itertools.combinations(range(1, len(costs)), stages - 1)
+    )
+
+
+def _stage_costs(costs, balance):
+    out, start = [], 0
+    for size in balance:
+        out.append(sum(costs[start : start + size]))
+        start += size
+    return out
+
+
+# ------------------------------------------------------------------ the split
+@pytest.mark.parametrize("pp", [2, 3, 4])
+def test_split_minimises_the_slowest_stage_with_a_heavy_head(pp):
+    costs = [2.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 6.0]  # embedding, blocks, a heavy head
+    plan = plan_pipeline(costs, 48, pp, pipeline_parallel_size=pp, schedules=["1F1B"])
+    assert sum(plan.balance) == len(costs) and all(n > 0 for n in plan.balance)
+    assert max(_stage_costs(costs, plan.balance)) == _best_max_stage(costs, pp)
+    assert list(plan.stage_costs) == _stage_costs(costs, plan.balance)
+    uniform = [len(costs) // pp + (1 if s < len(costs) % pp else 0) for s in range(pp)]
+    assert max(_stage_costs(costs, plan.balance)) < max(_stage_costs(costs, uniform))
+    if pp >= 3:
+        assert plan.balance[-1] == 1  # the head gets a stage of its own
+
+
+def test_interleaved_split_has_two_stages_per_rank_and_is_optimal():
+    costs = [3.0, 7.0, 2.0, 8.0, 1.0, 9.0, 4.0, 6.0, 5.0]
+    plan = plan_pipeline(costs, 8, 2, pipeline_parallel_size=2, schedules=["Interleaved1F1B"])
+    assert plan.stages_per_rank == 2 and len(plan.balance) == 4
+    assert max(_stage_costs(costs, plan.balance)) == _best_max_stage(costs, 4)
+
+
+def test_interleaved_needs_enough_modules():
+    # 3 modules cannot make 2 stages on each of 2 processes: only the single-stage schedules remain
+    plans = search_plans([1.0, 1.0, 1.0], 16, 2, pipeline_parallel_size=2)
+    assert {p.schedule for p in plans} == {"1F1B", "GPipe"}
+
+
+# ------------------------------------------------------------------ time and bubble
+def test_bubble_and_step_time_formulas():
+    costs = [1.0] * 8
+    plan = plan_pipeline(costs, 64, 4, pipeline_parallel_size=4, schedules=["1F1B"], microbatch_overhead=0.0)
+    m, p = plan.num_microbatches, 4
+    assert plan.predicted_bubble == pytest.approx((p - 1) / (m + p - 1))
+    # no overhead: more microbatches always shrink the bubble, so the largest count wins
+    assert m == 64
+    assert plan.predicted_step_time == pytest.approx((m + p - 1) * 2.0 * 64 / m)
+    assert plan.ideal_step_time == pytest.approx(8 * 64 / 4)
+
+    plans = search_plans(costs, 64, 4, pipeline_parallel_size=4, microbatch_overhead=0.0)
+    by_key = {(q.schedule, q.num_microbatches): q for q in plans}
+    inter = by_key[("Interleaved1F1B", 8)]
+    assert inter.predicted_bubble == pytest.approx(3 / (2 * 8 + 3))  # (p-1)/(v*m + p-1)
+    assert inter.predicted_step_time == pytest.approx((2 * 8 + 3) * 1.0 * 64 / 8)
+    assert by_key[("1F1B", 16)].predicted_bubble == pytest.approx(by_key[("Interleaved1F1B", 8)].predicted_bubble)
+
+
+def test_overhead_keeps_microbatch_count_moderate():
+    plan = plan_pipeline([1.0] * 8, 256, 4, pipeline_parallel_size=4, schedules=["1F1B"])
+    # default overhead 1% of the ideal step: optimum near sqrt((p-1)/0.01) ~ 17
+    assert 8 <= plan.num_microbatches <= 32
+    assert plan.predicted_bubble < 0.2
+
+
+def test_pure_data_parallel_wins_without_a_memory_limit():
+    plan = plan_pipeline([1.0] * 8, 64, 8, param_bytes=[1e6] * 8)
+    assert (plan.pipeline_parallel_size, plan.data_parallel_size, plan.num_microbatches) == (1, 8, 1)
+    assert plan.predicted_bubble == 0
+
+
+def test_plans_respect_torch_schedule_constraints():
+    for plan in search_plans([1.0] * 12, 96, 8):
+        p, m = plan.pipeline_parallel_size, plan.num_microbatches
+        assert plan.batch_size_per_replica % m == 0
+        assert plan.devices == 8
+        if plan.schedule == "1F1B":
+            assert m >= p
+        if plan.schedule == "Interleaved1F1B":
+            assert m % max(1, m // p) == 0 and p > 1
+
+
+def test_fixed_pipeline_size_must_divide_devices():
+    with pytest.raises(ValueError, match="does not divide the 8 devices"):
+        search_plans([1.0] * 8, 64, 8, pipeline_parallel_size=3)
+    assert {p.pipeline_parallel_size for p in search_plans([1.0] * 8, 64, 8, pipeline_parallel_size=2)} == {2}
+
+
+def test_no_valid_plan_explains_why():
+    with pytest.raises(ValueError, match="does not split over"):
+        search_plans([1.0] * 2, 3, 4, pipeline_parallel_size=1)
+
+
+# ------------------------------------------------------------------ memory
+def test_memory_bound_chooses_a_larger_pipeline():
+    costs, weights, acts = [1.0] * 8, [1e9] * 8, [1e6] * 8
+    chosen = []
+    for budget in (None, 20e9, 9e9, 5e9):
+        plan = plan_pipeline(costs, 32, 8, param_bytes=weights, activation_bytes=acts, memory_budget=budget)
+        assert budget is None or plan.predicted_memory_per_device <= budget
+        chosen.append(plan.pipeline_parallel_size)
+    assert chosen == [1, 2, 4, 8]
+
+
+def test_memory_counts_optimizer_state_and_in_flight_activations():
+    weights, acts = [100.0] * 4, [10.0] * 4
+    plans = search_plans([1.0] * 4, 16, 2, param_bytes=weights, activation_bytes=acts, pipeline_parallel_size=2)
+    by_key = {(q.schedule, q.num_microbatches): q for q in plans}
+    one_f_one_b, gpipe = by_key[("1F1B", 8)], by_key[("GPipe", 8)]
+    # stage 0: 2 modules -> 200 bytes x (1 + 3); 1F1B keeps p=2 microbatches of 2 samples, GPipe all 8
+    assert one_f_one_b.state_memory == 800
+    assert one_f_one_b.activation_memory == 2 * 20 * 2
+    assert gpipe.activation_memory == 8 * 20 * 2
+    assert one_f_one_b.predicted_memory_per_device == 880
+    sgd = plan_pipeline(
+        [1.0] * 4, 16, 2, param_bytes=weights, pipeline_parallel_size=2, schedules=["1F1B"], optimizer_multiplier=1
+    )
+    assert sgd.predicted_memory_per_device == 400
+    # Interleaved keeps more chunks in flight than 1F1B on the first process
+    inter = by_key[("Interleaved1F1B", 8)]
+    assert inter.activation_memory > one_f_one_b.activation_memory
+
+
+def test_infeasible_budget_raises_with_the_smallest_need():
+    weights = [1e9] * 8  # 8 GB of weights; Adam: x4; on 8 devices at best one module each: 4e9 bytes
+    with pytest.raises(ValueError, match="4000000000 bytes") as info:
+        plan_pipeline([1.0] * 8, 64, 8, param_bytes=weights, memory_budget=3e9)
+    assert "3000000000 bytes" in str(info.value) and "pipeline 8" in str(info.value)
+
+
+def test_budget_without_bytes_is_an_error():
+    with pytest.raises(ValueError, match="memory_budget"):
+        search_plans([1.0] * 4, 8, 2, memory_budget=1e9)
+
+
+def test_parse_and_format_bytes():
+    assert parse_bytes("16GiB") == 16 * 1024**3
+    assert parse_bytes("80GB") == 80 * 10**9
+    assert parse_bytes("512 MiB") == 512 * 1024**2
+    assert parse_bytes("1e9") == 10**9
+    assert parse_bytes(123) == 123
+    with pytest.raises(ValueError, match="16GiB"):
+        parse_bytes("lots")
+    assert format_bytes(16 * 1024**3) == "16.00 GiB"
+    assert format_bytes(10) == "10 B"
+
+
+# ------------------------------------------------------------------ num_microbatches="auto"
+@pytest.mark.parametrize(
+    "batch, pp, spr, expected",
+    [
+        (64, 4, 1, 16),  # 4p divides the batch: bubble 3/19 = 16%
+        (8, 4, 1, 8),  # batch below 4p: the largest accepted divisor, one sample per microbatch
+        (12, 4, 1, 12),  # smallest divisor >= 16 does not exist -> largest accepted (12)
+        (48, 4, 1, 16),
+        (40, 4, 1, 20),  # 16 does not divide 40: the next divisor above it
+        (6, 4, 1, 6),
+        (64, 4, 2, 8),  # two stages per rank: 2p
+        (10, 4, 2, 10),  # interleaved: 10 microbatches in 2 rounds of 5
+        (7, 1, 1, 1),  # a pipeline of one: nothing to overlap
+        (64, 1, 2, 1),
+        (32, 8, 1, 32),
+    ],
+)
+def test_default_num_microbatches(batch, pp, spr, expected):
+    m = default_num_microbatches(batch, pp, spr)
+    assert m == expected
+    assert batch % m == 0 and valid_num_microbatches(m, pp, spr)
+
+
+def test_default_num_microbatches_bubble_under_20_percent_when_the_batch_allows():
+    for pp in (2, 3, 4, 8):
+        for spr in (1, 2):
+            m = default_num_microbatches(1024 * 3, pp, spr)
+            assert m >= microbatch_target(pp, spr)
+            assert (pp - 1) / (spr * m + pp - 1) < 0.2
+
+
+def test_default_num_microbatches_schedule_constraints():
+    assert default_num_microbatches(8, 1, 2, "DualPipeV") == 2  # one microbatch per stage at least
+    assert default_num_microbatches(6, 4, 1, "GPipe") == 6
+    # interleaved rounds rule: 9 -> 2 rounds of 4.5 is refused, 3 (1 round) is taken
+    assert default_num_microbatches(9, 4, 2, "Interleaved1F1B") == 3
+    with pytest.raises(ValueError, match="at least 4"):
+        default_num_microbatches(3, 4, 1)
+    with pytest.raises(ValueError, match="positive integer"):
+        default_num_microbatches(0, 4, 1)
+
+
+# ------------------------------------------------------------------ modules and the command line
+def test_plan_for_module_on_the_meta_device():
+    import torch
+    from models import TinyLM
+
+    with torch.device("meta"):
+        model = TinyLM(blocks=4)
+    example = torch.zeros(2, 8, dtype=torch.long)
+    plan = plan_for_module(model, 32, 4, pipeline_parallel_size=4, example_input=example)
+    assert isinstance(plan, Plan) and plan.pipeline_parallel_size == 4
+    assert sum(plan.balance) == len(model.backbone)
+    assert plan.activation_memory > 0 and plan.state_memory > 0
+    total = sum(p.numel() * 4 for p in model.parameters())
+    assert plan.state_memory < total * 4  # a stage holds part of the model
+    budget_plan = plan_for_module(model, 32, 4, costs=[1.0] * len(model.backbone), activation_bytes=None)
+    assert budget_plan.activation_memory is None and budget_plan.state_memory > 0
+    with pytest.raises(ValueError, match="entries"):
+        plan_for_module(model, 32, 4, costs=[1.0])
+
+
+def _write_config(tmp_path, **trainer):
+    trainer_lines = "".join(f"\n  {k}: {v}" for k, v in trainer.items())
+    path = tmp_path / "cfg.yaml"
+    path.write_text(
+        textwrap.dedent(
+            """\
+            model:
+              class_path: models.TinyLM
+              init_args:
+                blocks: 6
+            data:
+              class_path: models.TokenData
+              init_args:
+                batch_size: 16
+            trainer:"""
+        )
+        + (trainer_lines or " {}")
+        + "\n"
+    )
+    return str(path)
+
+
+def test_cli_in_process(tmp_path, capsys):
+    config = _write_config(tmp_path, devices=4, strategy="pipeline")
+    assert (
+        main(["--config", config, "--input-shape", "8", "--input-dtype", "long", "--pipeline-parallel-size", "4"]) == 0
+    )
+    out = capsys.readouterr().out
+    assert "global batch 16" in out and "Recommended" in out
+    assert "PipelineStrategy(pipeline_parallel_size=4, data_parallel_size=1" in out
+    assert "class_path: lightning_pipe.PipelineStrategy" in out
+
+    assert main(["--config", config, "--devices", "8", "--memory-budget", "1KiB"]) == 2
+    err = capsys.readouterr().err
+    assert "No plan fits the memory budget" in err and "1024 bytes" in err
+
+    with pytest.raises(SystemExit) as info:
+        main(["--help"])
+    assert info.value.code == 0
+    assert "--memory-budget" in capsys.readouterr().out
+
+
+def test_cli_subprocess_prints_a_plan(tmp_path):
+    config = _write_config(tmp_path, devices=4, num_nodes=1)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, ROOT, os.environ.get("PYTHONPATH", "")]))
+    result = subprocess.run(
+        [sys.executable, "-m", "lightning_pipe.plan", "--config", config, "--memory-budget", "200KiB", "--top", "4"],
+        check=False,
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    # no strategy in the config: Lightning's default (DDP) trains 4 replicas of 16
+    assert "global batch 64" in out
+    assert "rel. time" in out and "memory/device" in out
+    line = next(x for x in out.splitlines() if x.strip().startswith("PipelineStrategy("))
+    assert "num_microbatches=" in line and "balance=[" in line
+
+
+def test_nominal_target_is_accepted_by_every_schedule():
+    from lightning_pipe.pipeline import SCHEDULE_NAMES
+
+    for schedule in SCHEDULE_NAMES:
+        multi = schedule not in ("1F1B", "GPipe")
+        for pp in (1, 2, 3, 4, 8):
+            spr = 2 if multi else 1
+            target = microbatch_target(pp, spr, schedule)
+            assert valid_num_microbatches(target, pp, spr, schedule), (schedule, pp)
+            assert default_num_microbatches(target * 6, pp, spr, schedule) == target
+    assert microbatch_target(1, 2, "DualPipeV") == 2
+
+
+def test_cli_reads_the_replicas_of_the_config(tmp_path, capsys):
+    strategy = "\n    class_path: lightning_pipe.PipelineStrategy\n    init_args:\n      data_parallel_size: 2"
+    config = _write_config(tmp_path, devices=4, strategy=strategy)
+    assert main(["--config", config, "--top", "2"]) == 0
+    assert "global batch 32 (batch_size 16 x 2 replicas" in capsys.readouterr().out
+    assert main(["--config", config, "--global-batch-size", "8", "--schedules", "1F1B"]) == 0
+    out = capsys.readouterr().out
+    assert "global batch 8 (given)" in out and "GPipe" not in out
