@@ -1,9 +1,17 @@
-"""Steady-state training step time of three ways to train the same model, measured side by side in one run.
+"""Steady-state training step time of several ways to train the same model, measured side by side in one run.
 
-    (a) single   plain Lightning, one process, no strategy (``Trainer(devices=1)``)
-    (b) torch    a hand-written ``torch.distributed.pipelining`` loop: ``PipelineStage`` + ``Schedule1F1B`` on
-                 2 processes (``torch.multiprocessing``, gloo), the same 2-stage split, then an SGD step
-    (c) strategy ``Trainer(devices=2, strategy=PipelineStrategy(schedule="1F1B", balance=<same split>))`` on CPU
+    (a)  single       plain Lightning, one process, no strategy (``Trainer(devices=1)``)
+    (a') microbatched plain torch, one process, the m microbatches run back to back (for the ceiling below)
+    (b)  torch        a hand-written ``torch.distributed.pipelining`` loop: ``PipelineStage`` + ``Schedule1F1B`` on
+                      2 processes (``torch.multiprocessing``, gloo), the uniform split, then an SGD step
+    (c)  strategy     ``PipelineStrategy(schedule="1F1B", balance="uniform")``: the same split as (b)
+    (d)  parameters   ``PipelineStrategy(balance="parameters")``
+    (e)  time         ``PipelineStrategy(balance="time")`` (profiled); its step 3 is also traced with ``timeline=``
+                      (a warm-up step, not timed) to measure the bubble and draw ``benchmarks/timeline.png``
+
+The ceiling on this hardware is (a') / p × (m + p − 1) / m: perfect balance and free transfers, with the cost of
+microbatching itself included. The default model is Llama-style with a head heavier than one block (vocabulary
+8192 against a hidden size of 256), so the uniform split is uneven and the balances differ.
 
 All three build the identical model (``examples/llama.py``, same seed), see the same batches of the same
 microbatch count and step plain SGD. Every process runs with ONE thread (``OMP_NUM_THREADS=1`` and
@@ -28,6 +36,7 @@ launcher can start the ranks of (c) as it always does. The parent prints the tab
 from __future__ import annotations
 
 import argparse
+import re
 import json
 import os
 import platform
@@ -51,9 +60,13 @@ from llama import LitLlama, LlamaConfig, make_loaders  # noqa: E402
 
 VARIANTS = {
     "single": "(a) Lightning, 1 process, no strategy",
-    "torch": "(b) hand-written torch 1F1B, 2 processes",
-    "strategy": "(c) PipelineStrategy 1F1B, 2 processes",
+    "microbatched": "(a') torch, 1 process, m microbatches in a row",
+    "torch": "(b) hand-written torch 1F1B, uniform split",
+    "strategy": "(c) PipelineStrategy 1F1B, uniform split",
+    "parameters": "(d) PipelineStrategy 1F1B, balance=parameters",
+    "time": "(e) PipelineStrategy 1F1B, balance=time",
 }
+STRATEGY_BALANCE = {"strategy": "uniform", "parameters": "parameters", "time": "time"}
 
 
 class BenchLlama(LitLlama):
@@ -65,7 +78,7 @@ class BenchLlama(LitLlama):
 
 def make_model(args: argparse.Namespace) -> BenchLlama:
     torch.manual_seed(args.seed)
-    config = LlamaConfig(dim=args.dim, n_layers=args.n_layers, max_seq_len=args.seq_len)
+    config = LlamaConfig(dim=args.dim, n_layers=args.n_layers, max_seq_len=args.seq_len, vocab_size=args.vocab_size)
     return BenchLlama(config, lr=args.lr)
 
 
@@ -77,8 +90,10 @@ def make_train_loader(args: argparse.Namespace) -> Any:
 
 
 def stage0_modules(args: argparse.Namespace) -> int:
-    """Backbone modules on stage 0: the embedding and the first half of the blocks (equal compute per stage)."""
-    return 1 + args.n_layers // 2
+    """Backbone modules on stage 0 under ``balance="uniform"`` (the strategy's own rule, so (b) and (c) match)."""
+    from lightning_pipe.partition import split_sizes
+
+    return split_sizes([1] * (args.n_layers + 3), 2, "uniform")[0]
 
 
 def write_result(args: argparse.Namespace, rank: int, starts: list[float], cpu: list[float]) -> None:
@@ -114,12 +129,14 @@ class StepTimer(L.Callback):
 
 def run_lightning(args: argparse.Namespace) -> None:
     extra: dict[str, Any] = {"accelerator": "cpu", "devices": 1}
-    if args.variant == "strategy":
+    if args.variant in STRATEGY_BALANCE:
         from lightning_pipe import PipelineStrategy
 
-        split = stage0_modules(args)
-        balance = [split, args.n_layers + 3 - split]
-        strategy = PipelineStrategy(num_microbatches=args.num_microbatches, schedule="1F1B", balance=balance)
+        timeline = {"step": 3, "dirpath": HERE} if args.variant == "time" else None
+        strategy = PipelineStrategy(
+            num_microbatches=args.num_microbatches, schedule="1F1B", balance=STRATEGY_BALANCE[args.variant],
+            timeline=timeline,
+        )
         extra = {"accelerator": "cpu", "devices": 2, "strategy": strategy}
     trainer = L.Trainer(
         max_steps=args.warmup + args.steps,
@@ -133,6 +150,26 @@ def run_lightning(args: argparse.Namespace) -> None:
         **extra,
     )
     trainer.fit(make_model(args), train_dataloaders=make_train_loader(args))
+
+
+# --------------------------------------------------------------------------------- (a'): microbatches in a row
+def run_microbatched(args: argparse.Namespace) -> None:
+    model = make_model(args)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
+    starts, cpu = [], []
+    for x, y in make_train_loader(args):
+        starts.append(time.perf_counter())
+        cpu.append(time.process_time())
+        optimizer.zero_grad()
+        for xs, ys in zip(x.chunk(args.num_microbatches), y.chunk(args.num_microbatches)):
+            loss = F.cross_entropy(model.backbone(xs).flatten(0, 1), ys.flatten()) / args.num_microbatches
+            loss.backward()
+        optimizer.step()
+        if len(starts) == args.warmup + args.steps:
+            break
+    starts.append(time.perf_counter())
+    cpu.append(time.process_time())
+    write_result(args, 0, starts, cpu)
 
 
 # --------------------------------------------------------------------------------- (b): hand-written 1F1B
@@ -202,33 +239,53 @@ def run_all(args: argparse.Namespace) -> None:
             results[variant]["cpu_per_rank_median"] = [r["cpu_median"] for r in per_rank]
             results[variant]["cpu_median_all_ranks"] = sum(r["cpu_median"] for r in per_rank)
             results[variant]["wall_s"] = round(time.perf_counter() - begin, 1)
+            bubble = re.search(r"measured bubble ([0-9.]+)%", proc.stdout + proc.stderr)
+            if bubble:
+                results[variant]["timeline_bubble"] = float(bubble.group(1)) / 100
 
     med = {v: results[v]["median"] for v in VARIANTS}
     cpu = {v: results[v]["cpu_median_all_ranks"] for v in VARIANTS}
+    p, m = 2, args.num_microbatches
+    ceiling = med["microbatched"] / p * (m + p - 1) / m
     ratios = {
         "strategy_over_torch": med["strategy"] / med["torch"],
         "strategy_over_torch_cpu": cpu["strategy"] / cpu["torch"],
         "single_over_strategy": med["single"] / med["strategy"],
         "single_over_torch": med["single"] / med["torch"],
+        "time_over_ceiling": med["time"] / ceiling,
+        "torch_over_time": med["torch"] / med["time"],
+        "uniform_over_time": med["strategy"] / med["time"],
+        "uniform_over_parameters": med["strategy"] / med["parameters"],
+        "ideal_bubble": (p - 1) / (m + p - 1),
+        "measured_bubble": results["time"].get("timeline_bubble"),
     }
     print()
     print(
-        f"model: dim {args.dim}, {args.n_layers} layers, seq {args.seq_len}, batch {args.batch_size},"
-        f" {args.num_microbatches} microbatches; {args.steps} timed steps after {args.warmup} warm-up;"
-        f" 1 thread per process; {os.cpu_count()} CPUs, load average {load_before[0]:.1f} at start"
+        f"model: dim {args.dim}, vocab {args.vocab_size}, {args.n_layers} layers, seq {args.seq_len}, batch"
+        f" {args.batch_size}, {args.num_microbatches} microbatches; {args.steps} timed steps after {args.warmup}"
+        f" warm-up; 1 thread per process; {os.cpu_count()} CPUs, load average {load_before[0]:.1f} at start"
     )
-    print(f"{'variant':42s} {'median s/step':>13s} {'p10':>7s} {'p90':>7s} {'CPU s/step':>18s} {'run s':>6s}")
+    print(f"{'variant':48s} {'median s/step':>13s} {'p10':>7s} {'p90':>7s} {'CPU s/step':>18s} {'run s':>6s}")
     for v, label in VARIANTS.items():
         times = sorted(results[v]["step_times"])
         p10, p90 = times[len(times) // 10], times[(9 * len(times)) // 10]
         per_rank = "+".join(f"{c:.3f}" for c in results[v]["cpu_per_rank_median"])
-        print(f"{label:42s} {med[v]:13.4f} {p10:7.4f} {p90:7.4f} {per_rank:>18s} {results[v]['wall_s']:6.1f}")
+        print(f"{label:48s} {med[v]:13.4f} {p10:7.4f} {p90:7.4f} {per_rank:>18s} {results[v]['wall_s']:6.1f}")
+    ceiling_label = "ceiling: (a') / p * (m + p - 1) / m"
+    print(f"{ceiling_label:48s} {ceiling:13.4f}")
     print(
-        f"strategy / hand-written torch   (c)/(b): {ratios['strategy_over_torch']:.3f}x  (>1: strategy overhead;"
-        f" in CPU seconds summed over ranks: {ratios['strategy_over_torch_cpu']:.3f}x)"
+        f"strategy / hand-written torch, same split (c)/(b): {ratios['strategy_over_torch']:.3f}x (>1: integration"
+        f" overhead; in CPU seconds summed over ranks {ratios['strategy_over_torch_cpu']:.3f}x)"
     )
-    print(f"speed-up of the strategy        (a)/(c): {ratios['single_over_strategy']:.3f}x")
-    print(f"speed-up of hand-written torch  (a)/(b): {ratios['single_over_torch']:.3f}x")
+    print(f"speed-up over one process                 (a)/(c): {ratios['single_over_strategy']:.3f}x")
+    print(f"speed-up of hand-written torch            (a)/(b): {ratios['single_over_torch']:.3f}x")
+    print(f"balance=time over the ceiling             (e)/ceiling: {ratios['time_over_ceiling']:.3f}x")
+    print(f"balance=time against hand-written uniform (b)/(e): {ratios['torch_over_time']:.3f}x")
+    print(f"uniform / time, uniform / parameters      (c)/(e), (c)/(d): {ratios['uniform_over_time']:.3f}x,"
+          f" {ratios['uniform_over_parameters']:.3f}x")
+    if ratios["measured_bubble"] is not None:
+        print(f"bubble measured by timeline= (step 3 of (e)): {ratios['measured_bubble']:.1%};"
+              f" (p-1)/(m+p-1) = {ratios['ideal_bubble']:.1%}")
     report = {
         "config": {k: v for k, v in vars(args).items() if k not in ("variant", "out")},
         "machine": {
@@ -255,9 +312,10 @@ def main() -> None:
     p.add_argument("--variant", default="all", choices=["all", *VARIANTS])
     p.add_argument("--out", default=None, help="(internal) where a variant writes its result")
     p.add_argument("--dim", type=int, default=256)
+    p.add_argument("--vocab-size", type=int, default=8192, help="well above --dim: a head heavier than one block")
     p.add_argument("--n-layers", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--num-microbatches", type=int, default=8)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--steps", type=int, default=20)
@@ -274,7 +332,7 @@ def main() -> None:
     if args.out is None:
         p.error("--out is required with --variant.")
     torch.set_num_threads(1)
-    run_torch(args) if args.variant == "torch" else run_lightning(args)
+    {"torch": run_torch, "microbatched": run_microbatched}.get(args.variant, run_lightning)(args)
 
 
 if __name__ == "__main__":
