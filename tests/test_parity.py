@@ -29,6 +29,7 @@ CASES = {
     "looped-bfs": (2, {"schedule": "LoopedBFS", "num_microbatches": 4}, {}, {"gradient_clip_val": 0.05}),
     "interleaved-zero-bubble": (2, {"schedule": "InterleavedZeroBubble", "num_microbatches": 4}, {}, {}),
     "zbv-zero-bubble": (2, {"schedule": "ZBVZeroBubble", "num_microbatches": 4}, {}, {"gradient_clip_val": 0.05}),
+    "dualpipev": (2, {"schedule": "DualPipeV", "num_microbatches": 4}, {"scheduler": "step"}, {"accumulate_grad_batches": 2}),
     "1f1b-4-parameters": (
         4,
         {"num_microbatches": 4, "balance": "parameters"},
