@@ -113,20 +113,23 @@ def saved(work, reference) -> dict[str, Any]:
     epoch_callback = {"dirpath": str(epochs), "filename": "{epoch}", "every_n_epochs": 1, "save_top_k": -1}
     weights_callback = {"dirpath": str(work / "weights"), "filename": "{epoch}", "save_weights_only": True,
                         "every_n_train_steps": STEPS_PER_EPOCH}
+    link_callback = {"dirpath": str(work / "linked"), "filename": "{step}", "every_n_train_steps": 3,
+                     "save_top_k": -1, "save_last": "link"}
     epoch0 = str(epochs / "epoch=0.ckpt")
     phases = [
-        phase("train", 1, checkpoints=[topk_callback, epoch_callback, weights_callback], save=[str(manual)],
-              list_dirs=[str(topk), str(epochs)]),
+        phase("train", 1, checkpoints=[topk_callback, epoch_callback, weights_callback, link_callback],
+              save=[str(manual)], list_dirs=[str(topk), str(epochs)]),
         # fresh models with other initial weights: everything must come from the checkpoint
         phase("resume", 2, ckpt_path=epoch0, model={**MODEL, "seed": 7}),
         phase("resume_last", 2, ckpt_path="last", model={**MODEL, "seed": 8},
               checkpoints=[{**topk_callback, "save_top_k": 0}]),  # finds topk/last.ckpt (step 6)
         phase("balance", 2, ckpt_path=epoch0, model={**MODEL, "seed": 9}, strategy={**PIPE, "balance": [5, 2]}),
         phase("plain", 2, ckpt_path=str(work / "plain.ckpt"), model={**MODEL, "seed": 10}),
+        phase("resume_link", 2, ckpt_path=str(work / "linked" / "last.ckpt"), model={**MODEL, "seed": 15}),
     ]
     proc, out = launch(work, "saved", 2, phases)
     assert proc.returncode == 0, proc.stdout[-6000:]
-    return {"out": out, "topk": topk, "epochs": epochs, "manual": manual, "epoch0": Path(epoch0),
+    return {"out": out, "topk": topk, "epochs": epochs, "manual": manual, "epoch0": Path(epoch0), "linked": work / "linked",
             "weights": work / "weights" / "epoch=0.ckpt"}
 
 
@@ -210,6 +213,14 @@ def test_model_checkpoint_directories(saved, reference):
 
 def test_resume_from_last(saved, reference):
     assert_resumed(results(saved["out"], "resume_last", 2), reference["straight"])
+
+
+def test_save_last_as_a_link(saved, reference):
+    """``save_last="link"``: ``last.ckpt`` is a symlink to the newest complete directory, and resumes exactly."""
+    last = saved["linked"] / "last.ckpt"
+    assert last.is_symlink() and ckpt.is_pipeline_checkpoint(last)
+    assert last.resolve() == (saved["linked"] / f"step={STEPS_PER_EPOCH}.ckpt").resolve()
+    assert_resumed(results(saved["out"], "resume_link", 2), reference["straight"])
 
 
 def test_resume_from_manual_save(one_process, reference):
