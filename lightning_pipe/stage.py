@@ -10,6 +10,8 @@ from __future__ import annotations
 import itertools
 import os
 from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Callable, Optional, Union
 
 import torch
@@ -95,18 +97,12 @@ def _reset(m: nn.Module, missing: set[str]) -> None:
         missing.add(type(m).__name__)
 
 
-def _seeded(device: torch.device, seed: int):  # noqa: ANN202
-    ctx = torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type=device.type)
-
-    class _Ctx:
-        def __enter__(self) -> None:
-            ctx.__enter__()
-            torch.manual_seed(seed)
-
-        def __exit__(self, *exc: object) -> None:
-            ctx.__exit__(*exc)
-
-    return _Ctx()
+@contextmanager
+def _seeded(device: torch.device, seed: int) -> Iterator[None]:
+    """Run the block under ``seed``, leaving the caller's random state as it was."""
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type=device.type):
+        torch.manual_seed(seed)
+        yield
 
 
 def _has_meta(module: nn.Module, recurse: bool = True) -> bool:
