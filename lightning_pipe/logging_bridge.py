@@ -60,7 +60,8 @@ class LogRecorder:
         torchmetrics ``Metric`` becomes a reference to the module attribute holding it.
         """
         entries = []
-        metric_names = {id(m): n for n, m in module.named_modules() if isinstance(m, Metric)}
+        metrics = [(n, m) for n, m in module.named_modules() if isinstance(m, Metric)]
+        metric_names = {id(m): n for n, m in metrics}
         for name, values in self.values.items():
             options = dict(self.options[name])
             if options.get("batch_size") is not None:
@@ -75,7 +76,7 @@ class LogRecorder:
                 entries.append((name, _MetricRef(metric_names[id(last)], last._forward_cache), options))
                 continue
             entries.append((name, _weighted_mean(name, values, self.batch_sizes[name]), options))
-        states = _MetricStates.of(module)
+        states = _MetricStates.of(metrics)
         if states.templates:
             entries.append(("", states, {}))
         return entries
@@ -115,14 +116,14 @@ class _MetricStates:
         self.templates = templates
 
     @classmethod
-    def of(cls, module: LightningModule) -> "_MetricStates":
+    def of(cls, metrics: list[tuple[str, Metric]]) -> "_MetricStates":
+        """From the module's ``(path, metric)`` pairs."""
         templates = []
-        for path, metric in module.named_modules():
-            if isinstance(metric, Metric):
-                for state in metric._defaults:
-                    value = getattr(metric, state)
-                    if isinstance(value, list) and value and isinstance(value[0], torch.Tensor):
-                        templates.append((path, state, value[0].dtype, tuple(value[0].shape[1:])))
+        for path, metric in metrics:
+            for state in metric._defaults:
+                value = getattr(metric, state)
+                if isinstance(value, list) and value and isinstance(value[0], torch.Tensor):
+                    templates.append((path, state, value[0].dtype, tuple(value[0].shape[1:])))
         return cls(tuple(templates))
 
     def pad(self, module: LightningModule, device: torch.device) -> None:
