@@ -2,19 +2,24 @@
 
 The modules are timed one after the other on one microbatch of a real batch, on the device training will use:
 each module is moved there, run forward and backward a few times after a warm-up, and moved back, so the whole
-model never has to fit on the device at once. Buffers (BatchNorm statistics) and the random number generators
-are restored afterwards, and gradients are cleared: profiling leaves no trace in training.
+model never has to fit on the device at once. The last module is timed together with the loss the user's
+``training_step`` computes from its output, since the last stage runs that too: a cross-entropy over a large
+vocabulary costs as much as a block. Buffers (BatchNorm statistics), torchmetrics states and the random number
+generators are restored afterwards, and gradients are cleared: profiling leaves no trace in training.
 """
 
 from __future__ import annotations
 
+import copy
 import statistics
 import time
-from contextlib import AbstractContextManager, nullcontext
-from typing import Callable, Optional
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
+from torchmetrics import Metric
 
 
 def time_modules(
@@ -24,28 +29,28 @@ def time_modules(
     repeats: int = 5,
     warmup: int = 2,
     context: Optional[Callable[[], AbstractContextManager]] = None,
+    loss: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
 ) -> list[float]:
     """Median seconds of forward + backward of each module, each fed the previous module's real output.
 
-    ``context`` makes the context each module runs in (e.g. the precision plugin's autocast).
+    ``context`` makes the context each module runs in (e.g. the precision plugin's autocast). ``loss`` maps the
+    last module's output to the loss training back-propagates; its cost is counted in the last module's. Without
+    it, every module is back-propagated from the sum of its output.
     """
-    if any(p.is_meta for m in modules for p in m.parameters()):
-        raise ValueError(
-            "`PipelineStrategy(balance='time')` times every module with its real weights, but the model is on the"
-            " meta device. Use `balance='parameters'`, or build the model on a real device."
-        )
+    require_real_weights(modules)
     costs = []
     x = first_input.to(device)
     devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices, device_type=device.type):
-        for module in modules:
+        for index, module in enumerate(modules):
             home = next((t.device for t in module.parameters()), None) or next(
                 (t.device for t in module.buffers()), device
             )
             module.to(device)
             saved = {name: b.detach().clone() for name, b in module.named_buffers()}
             with context() if context is not None else nullcontext():
-                cost, x = _time_one(module, x, device, repeats, warmup)
+                tail = loss if index == len(modules) - 1 else None
+                cost, x = _time_one(module, x, device, repeats, warmup, tail)
             with torch.no_grad():
                 for name, b in module.named_buffers():
                     b.copy_(saved[name])
@@ -55,14 +60,30 @@ def time_modules(
     return costs
 
 
-def _time_one(module: nn.Module, x: torch.Tensor, device: torch.device, repeats: int, warmup: int):  # noqa: ANN202
+def require_real_weights(modules: list[nn.Module]) -> None:
+    """Timing needs real weights: refuse modules on the meta device, naming the fix."""
+    if any(p.is_meta for m in modules for p in m.parameters()):
+        raise ValueError(
+            "`PipelineStrategy(balance='time')` times every module with its real weights, but the model is on the"
+            " meta device. Use `balance='parameters'`, or build the model on a real device."
+        )
+
+
+def _time_one(  # noqa: ANN202
+    module: nn.Module,
+    x: torch.Tensor,
+    device: torch.device,
+    repeats: int,
+    warmup: int,
+    loss: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+):
     times = []
     for i in range(warmup + repeats):
         inp = x.detach().requires_grad_(x.is_floating_point())
         _sync(device)
         start = time.perf_counter()
         out = module(inp)
-        out.float().sum().backward()
+        (loss(out) if loss is not None else out.float().sum()).backward()
         _sync(device)
         if i >= warmup:
             times.append(time.perf_counter() - start)
@@ -74,3 +95,20 @@ def _time_one(module: nn.Module, x: torch.Tensor, device: torch.device, repeats:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+@contextmanager
+def metrics_restored(module: nn.Module) -> Iterator[None]:
+    """Put every torchmetrics ``Metric`` under ``module`` back as it was: a profiled ``training_step`` updates them."""
+    saved = [(metric, _metric_state(metric)) for metric in module.modules() if isinstance(metric, Metric)]
+    try:
+        yield
+    finally:
+        for metric, state in saved:
+            for attr, value in state.items():
+                setattr(metric, attr, value)
+
+
+def _metric_state(metric: Metric) -> dict[str, Any]:
+    attrs = [*metric._defaults, "_update_count", "_computed", "_forward_cache", "_is_synced", "_cache"]
+    return {attr: copy.deepcopy(getattr(metric, attr)) for attr in attrs if hasattr(metric, attr)}

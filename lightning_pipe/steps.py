@@ -9,7 +9,9 @@ pipeline and logged there (:mod:`lightning_pipe.logging_bridge`).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 from lightning.pytorch.trainer.states import TrainerFn
@@ -118,8 +120,17 @@ def loss_of(result: Any) -> Tensor:
     return loss
 
 
-def first_backbone_input(module: pl.LightningModule, parent: nn.Module, name: str, backbone: nn.Sequential) -> Tensor:
-    """The backbone input of the first batch of the running stage's data, before the split (for profiling)."""
+@contextmanager
+def profiling_batch(
+    strategy: PipelineStrategy, parent: nn.Module, name: str, backbone: nn.Sequential
+) -> Iterator[tuple[Tensor, Optional[Callable[[Tensor], Tensor]]]]:
+    """One microbatch of the first batch of the running stage's data, before the split (for profiling).
+
+    Yields the backbone input of that microbatch and, when fitting, the function that turns the backbone's output
+    on it into the ``training_step`` loss on the strategy's device (``None`` otherwise: evaluation has no loss).
+    Logs the step makes here are dropped.
+    """
+    module = strategy.lightning_module
     trainer = module.trainer
     fn = trainer.state.fn
     # The loop of the running stage knows the user's loader however it was given (loader, datamodule or module
@@ -139,6 +150,22 @@ def first_backbone_input(module: pl.LightningModule, parent: nn.Module, name: st
     setattr(parent, name, whole)
     try:
         (inputs,) = capture_inputs(module, whole, step, batch, 0)
+        batch_size = int(inputs.shape[0])
+        rows = batch_size // strategy._microbatch_count(batch_size)
+        if fn != TrainerFn.FITTING:
+            yield inputs[:rows], None
+            return
+        # The step's code after the backbone call runs where training runs it: on the device, with the batch
+        # there. An empty stand-in answers the backbone call, so moving the module moves no backbone weights.
+        head = LocalBackbone(backbone, [], len(backbone))
+        setattr(parent, name, head)
+        module.to(strategy.root_device)
+        sub_batch = strategy.batch_to_device(slice_batch(batch, batch_size, 0, rows))
+
+        def loss(output: Tensor) -> Tensor:
+            with LogRecorder().installed(module):
+                return loss_of(run_with_output(head, output, step, sub_batch, 0))
+
+        yield inputs[:rows], loss
     finally:
         setattr(parent, name, backbone)
-    return inputs

@@ -45,7 +45,7 @@ from lightning_pipe import timeline as _timeline
 from lightning_pipe.gradients import agree_on_overflow, clip_by_global_norm
 from lightning_pipe.logging_bridge import LogChannel
 from lightning_pipe.partition import BALANCE_MODES, StageLayout, make_layout
-from lightning_pipe.profile import time_modules
+from lightning_pipe.profile import metrics_restored, require_real_weights, time_modules
 from lightning_pipe.pipeline import StagePipeline, microbatches_for, placement_style, resolve_schedule
 
 if TYPE_CHECKING:
@@ -393,12 +393,13 @@ class PipelineStrategy(ParallelStrategy):
     ) -> list[float]:
         """Time every backbone module on one microbatch of the first batch (on rank 0) and share the result."""
         costs = None
+        require_real_weights(list(backbone))  # every rank holds the whole model here, so every rank refuses
         if self.is_global_zero:
-            inputs = _steps.first_backbone_input(module, parent, name, backbone)
-            rows = inputs.shape[0] // self._microbatch_count(int(inputs.shape[0]))
-            costs = time_modules(
-                list(backbone), inputs[:rows], self.root_device, context=self.precision_plugin.train_step_context
-            )
+            with _steps.profiling_batch(self, parent, name, backbone) as (inputs, loss), metrics_restored(module):
+                costs = time_modules(
+                    list(backbone), inputs, self.root_device, context=self.precision_plugin.train_step_context,
+                    loss=loss,
+                )
             rank_zero_info("PipelineStrategy: forward+backward ms per module: " + ", ".join(f"{c * 1e3:.2f}" for c in costs))
         return self.broadcast(costs)
 

@@ -7,7 +7,7 @@ from torch import nn
 
 import models
 from helpers import assert_parity, reference, run_job
-from lightning_pipe.profile import time_modules
+from lightning_pipe.profile import metrics_restored, time_modules
 
 
 def test_timing_leaves_no_trace():
@@ -21,6 +21,37 @@ def test_timing_leaves_no_trace():
     assert all(torch.equal(before[k], v) for k, v in net.state_dict().items())  # BatchNorm statistics included
     assert all(p.grad is None for p in net.parameters())
     assert torch.equal(rng, torch.get_rng_state())
+
+
+def test_the_loss_is_timed_with_the_last_module():
+    """The last stage computes the loss too: a loss that takes 30 ms lands in the last module's cost, nowhere else."""
+    import time
+
+    net = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+    x = torch.randn(16, 8)
+
+    def slow_loss(out: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.03)
+        return out.square().mean()
+
+    plain = time_modules(list(net), x, torch.device("cpu"), repeats=3, warmup=1)
+    with_loss = time_modules(list(net), x, torch.device("cpu"), repeats=3, warmup=1, loss=slow_loss)
+    assert with_loss[1] >= 0.03 > plain[1]
+    assert with_loss[0] < 0.03
+
+
+def test_metric_states_are_restored():
+    from torchmetrics.classification import MulticlassAccuracy
+
+    holder = nn.Module()
+    holder.acc = MulticlassAccuracy(num_classes=3, average="micro")
+    holder.acc.update(torch.tensor([0, 1]), torch.tensor([0, 0]))
+    before = float(holder.acc.compute())
+    with metrics_restored(holder):
+        holder.acc(torch.tensor([2, 2, 2]), torch.tensor([2, 2, 2]))
+        assert float(holder.acc.compute()) != before
+    assert holder.acc._update_count == 1
+    assert float(holder.acc.compute()) == before == 0.5
 
 
 def test_meta_model_is_refused_with_the_fix():
