@@ -285,3 +285,56 @@ def replay(
         if options.get("sync_dist") and options.get("sync_dist_group") is None:
             options = {**options, "sync_dist_group": replica_group}
         module.log(name, value, **options)
+
+
+@contextmanager
+def per_batch_metrics(module: LightningModule, num_microbatches: int) -> Iterator[None]:
+    """Make the ``Metric`` calls of a training step's microbatches add up to one call on the whole batch.
+
+    Under ``training_step``, ``metric(preds, target)`` returns the value on its batch, which Lightning logs with
+    ``on_step=True``, and merges the batch into the epoch's state. The last stage runs the step once per
+    microbatch, so each call would see a microbatch. Here every metric starts the step from its default state, the
+    microbatch calls accumulate the batch's state, and afterwards the batch value is computed from it (without a
+    sync, as ``forward`` does) and the state from before the step is merged back in, counted as one update per call
+    on the whole batch. Metrics the step does not touch are put back as they were.
+    """
+    saved = [(metric, _stash(metric)) for metric in module.modules() if isinstance(metric, Metric)]
+    yield
+    for metric, (state, count, cache, computed) in saved:
+        calls = metric._update_count
+        if calls == 0:
+            for attr, value in state.items():
+                setattr(metric, attr, value)
+            metric._update_count, metric._forward_cache, metric._computed = count, cache, computed
+            continue
+        if metric._forward_cache is not None:
+            metric._forward_cache = _batch_value(metric)
+        metric._update_count = count + max(1, calls // num_microbatches)
+        with torch.no_grad():
+            metric._reduce_states(state)
+        metric._computed = None
+
+
+def _stash(metric: Metric) -> tuple[dict[str, Any], int, Any, Any]:
+    """Take the metric's state out (by reference: nothing is copied) and leave it at its defaults."""
+    state = {attr: getattr(metric, attr) for attr in metric._defaults}
+    kept = (state, metric._update_count, metric._forward_cache, metric._computed)
+    for attr, default in metric._defaults.items():
+        if isinstance(default, torch.Tensor):
+            setattr(metric, attr, default.detach().clone().to(state[attr].device))
+        else:
+            setattr(metric, attr, [])
+    metric._update_count, metric._forward_cache, metric._computed = 0, None, None
+    metric._cache, metric._is_synced = None, False
+    return kept
+
+
+def _batch_value(metric: Metric) -> Any:
+    """``compute()`` on the metric's current (batch) state, without syncing, as ``Metric.forward`` computes it."""
+    metric._to_sync, metric._should_unsync, metric._computed = False, False, None
+    on_cpu, metric.compute_on_cpu = metric.compute_on_cpu, False
+    try:
+        return metric.compute()
+    finally:
+        metric._to_sync, metric._should_unsync, metric._computed = metric.sync_on_compute, True, None
+        metric.compute_on_cpu = on_cpu

@@ -34,6 +34,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torchmetrics import Metric
 from typing_extensions import override
 
 import lightning.pytorch as pl
@@ -307,6 +308,13 @@ class PipelineStrategy(ParallelStrategy):
                 f"`Trainer(sync_batchnorm=True)` is not supported by `{type(self).__name__}`: a BatchNorm layer lives"
                 " on one stage and normalises each microbatch, and there is no group to synchronise it over that"
                 " would match single-device statistics. Remove `sync_batchnorm=True` (see docs/evaluation.md)."
+            )
+        synced = [n for n, m in module.named_modules() if isinstance(m, Metric) and m.dist_sync_on_step]
+        if synced and self.pipeline_parallel_size > 1:
+            raise ValueError(
+                f"`{type(self).__name__}`: the metrics {synced} have `dist_sync_on_step=True`, which syncs every"
+                " call over all processes, but only the last stage calls a metric, so the sync would wait forever."
+                " Create them with `dist_sync_on_step=False` (the default); the epoch value is still synced."
             )
         backbone = self._split(module)
         _stage.materialize_local(module, backbone, self.root_device)

@@ -45,6 +45,9 @@ def main(case: str) -> None:
         model = RaisesInStep(rank=0)
     elif case == "extra-param":
         model = ExtraParam()
+    elif case == "synced-metric":  # only the last stage calls the metric: a per-call sync would hang
+        model = models.TinyLM(train_metric=True)
+        model.train_acc.dist_sync_on_step = True
     elif case == "too-few-microbatches":
         strategy = {"schedule": "1F1B", "num_microbatches": 1}
     elif case == "too-many-stages":

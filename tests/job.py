@@ -64,7 +64,7 @@ class Recorder(L.Callback):
             self._hooks.__exit__(None, None, None)
         if self.inf_at_step is not None and trainer.global_step == self.inf_at_step + 1:
             self.params_after_inf_step = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
-        metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("train_loss")}
+        metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith(("train_loss", "train_acc"))}
         metrics["lr"] = trainer.optimizers[0].param_groups[0]["lr"]
         metrics["returned_loss"] = float(outputs["loss"])
         self.steps.append(metrics)

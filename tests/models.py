@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+from torchmetrics.classification import MulticlassAccuracy
 
 VOCAB, DIM, SEQ = 32, 16, 8
 
@@ -43,9 +44,12 @@ class TinyLM(L.LightningModule):
         optimizer: str = "sgd",
         scheduler: Optional[str] = None,
         batchnorm: bool = False,
+        train_metric: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
+        # a torchmetrics accuracy called (forward) in training_step, logged per step and per epoch
+        self.train_acc = MulticlassAccuracy(num_classes=VOCAB, average="micro") if train_metric else None
         layers: list[nn.Module] = [nn.Embedding(VOCAB, DIM)]
         layers += [Block() for _ in range(blocks)]
         if batchnorm:
@@ -59,8 +63,12 @@ class TinyLM(L.LightningModule):
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
-        loss = F.cross_entropy(self(x).flatten(0, 1), y.flatten())
+        logits = self(x)
+        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
         self.log("train_loss", loss, prog_bar=True)
+        if self.train_acc is not None:
+            self.train_acc(logits.argmax(-1), y)
+            self.log("train_acc", self.train_acc, on_step=True, on_epoch=True)
         self.log("train_loss_epoch_sum", loss, on_step=False, on_epoch=True, reduce_fx="sum", sync_dist=True)
         return loss
 

@@ -116,6 +116,7 @@ def test_bad_arguments_fail_at_construction(kwargs, match):
         ("extra-param", "trainable parameters are outside it"),
         ("too-few-microbatches", r"num_microbatches=1\)` is not valid for 2 stages.*Raise `num_microbatches`"),
         ("too-many-stages", "cannot be split into 4 non-empty stages"),
+        ("synced-metric", r"\['train_acc'\] have `dist_sync_on_step=True`.*`dist_sync_on_step=False`"),
     ],
 )
 def test_setup_errors_reach_every_rank_without_hanging(case, match, tmp_path):
