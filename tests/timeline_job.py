@@ -13,11 +13,12 @@ on the same batch (``--trace-first``: the traced step first, then the reference)
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import importlib
 import json
 import os
 import socket
 import sys
+import types
 from pathlib import Path
 
 import torch
@@ -29,13 +30,12 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _load_timeline():
-    """``lightning_pipe.timeline`` without ``lightning_pipe/__init__`` (which imports Lightning, seconds per
-    process); the module itself only needs torch."""
-    spec = importlib.util.spec_from_file_location("lightning_pipe_timeline", ROOT / "lightning_pipe" / "timeline.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up here
-    spec.loader.exec_module(module)
-    return module
+    """``lightning_pipe.timeline`` (and ``lightning_pipe.timeline_report``, which it imports) without
+    ``lightning_pipe/__init__`` (which imports Lightning, seconds per process); the modules only need torch."""
+    package = types.ModuleType("lightning_pipe")
+    package.__path__ = [str(ROOT / "lightning_pipe")]  # its submodules are found here; __init__.py is not run
+    sys.modules["lightning_pipe"] = package
+    return importlib.import_module("lightning_pipe.timeline")
 
 
 timeline = _load_timeline()
