@@ -12,7 +12,6 @@ from lightning_pipe.plan import (
     Plan,
     default_num_microbatches,
     format_bytes,
-    main,
     microbatch_target,
     parse_bytes,
     plan_for_module,
@@ -20,6 +19,7 @@ from lightning_pipe.plan import (
     search_plans,
     valid_num_microbatches,
 )
+from lightning_pipe.plan_cli import main
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)

@@ -1,0 +1,116 @@
+"""Measuring a real module for the planner: per backbone module, its cost, its parameter bytes and the bytes it
+keeps for backward, as :func:`lightning_pipe.plan.search_plans` takes them.
+
+Nothing here trains or allocates: parameters are counted where they live (the meta device included), and the
+activations are measured by running a meta tensor through the backbone, which computes nothing.
+:func:`lightning_pipe.plan.plan_for_module` plans with these numbers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Optional, Union
+
+if TYPE_CHECKING:
+    from torch import nn
+
+
+def backbone_profile(
+    lightning_module: nn.Module,
+    backbone: str = "backbone",
+    costs: Union[str, Sequence[float]] = "parameters",
+    activation_bytes: Union[None, str, Sequence[float]] = "auto",
+    example_input: Any = None,
+    bytes_per_parameter: Optional[float] = None,
+) -> tuple[list[float], list[float], Optional[list[float]]]:
+    """``(costs, param_bytes, activation_bytes)`` per backbone module, as :func:`search_plans` takes them.
+
+    Args:
+        lightning_module: the module holding the backbone; it may live on the meta device.
+        backbone: dotted attribute path of the ``nn.Sequential``, as for ``PipelineStrategy``.
+        costs: ``"parameters"`` (parameter counts stand in for time) or measured times per sample, one per module.
+        activation_bytes: ``"auto"`` measures the bytes each module saves for backward per sample by running
+            ``example_input`` (default: the module's ``example_input_array``) through the backbone on the meta
+            device, which computes nothing; ``None`` leaves activations out; or one number per module.
+        example_input: a tensor with a leading batch dimension, the backbone's input.
+        bytes_per_parameter: overrides the parameters' own element size (e.g. 2 for ``precision="bf16-true"``).
+    """
+    from lightning_pipe.backbone import LocalBackbone, resolve_backbone
+
+    _, _, modules = resolve_backbone(lightning_module, backbone)
+    if isinstance(modules, LocalBackbone):
+        raise ValueError("The backbone is already split by a PipelineStrategy; plan with an unsplit module.")
+    counts = [float(sum(p.numel() for p in module.parameters())) for module in modules]
+    param_bytes = [
+        float(
+            sum(
+                p.numel() * (bytes_per_parameter if bytes_per_parameter else p.element_size())
+                for p in module.parameters()
+            )
+        )
+        for module in modules
+    ]
+    if isinstance(costs, str):
+        if costs != "parameters":
+            raise ValueError(f"`costs={costs!r}` must be 'parameters' or a list of times per sample, one per module.")
+        module_costs = counts
+    else:
+        module_costs = [float(c) for c in costs]
+        if len(module_costs) != len(modules):
+            raise ValueError(f"`costs` has {len(module_costs)} entries but the backbone has {len(modules)} modules.")
+    acts: Optional[list[float]]
+    if isinstance(activation_bytes, str):
+        if activation_bytes != "auto":
+            raise ValueError(f"`activation_bytes={activation_bytes!r}` must be 'auto', None or one number per module.")
+        if example_input is None:
+            example_input = getattr(lightning_module, "example_input_array", None)
+        acts = measure_activation_bytes(modules, example_input) if example_input is not None else None
+    elif activation_bytes is None:
+        acts = None
+    else:
+        acts = [float(a) for a in activation_bytes]
+        if len(acts) != len(modules):
+            raise ValueError(f"`activation_bytes` has {len(acts)} entries but the backbone has {len(modules)} modules.")
+    return module_costs, param_bytes, acts
+
+
+def measure_activation_bytes(modules: nn.Sequential, example_input: Any) -> Optional[list[float]]:
+    """Bytes each module of ``modules`` saves for backward, per sample, measured on the meta device.
+
+    The input is run through the modules twice, with batches of 1 and 2 built from ``example_input``'s per-sample
+    shape and dtype; the difference is the per-sample part (weights saved for backward cancel out). Modules that
+    are not on the meta device are copied there one at a time. Returns ``None`` when it cannot be measured
+    (an input that is not a single tensor, or an operation the meta device does not support).
+    """
+    import copy
+
+    import torch
+
+    if isinstance(example_input, (tuple, list)) and len(example_input) == 1:
+        example_input = example_input[0]
+    if not isinstance(example_input, torch.Tensor) or example_input.dim() == 0:
+        return None
+    sample_shape, dtype = tuple(example_input.shape[1:]), example_input.dtype
+    meta = [
+        m if all(t.is_meta for t in [*m.parameters(), *m.buffers()]) else copy.deepcopy(m).to("meta") for m in modules
+    ]
+
+    def saved(batch: int) -> list[float]:
+        x: Any = torch.zeros((batch, *sample_shape), dtype=dtype, device="meta")
+        out: list[float] = []
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            out[-1] += t.numel() * t.element_size()  # counted against the module running now
+            return t
+
+        for module in meta:
+            out.append(0.0)
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                x = module(x)
+        return out
+
+    try:
+        one, two = saved(1), saved(2)
+    except Exception:  # an op without a meta kernel, or a module that needs more than one tensor
+        return None
+    return [max(0.0, b - a) for a, b in zip(one, two)]

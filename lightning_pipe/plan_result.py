@@ -1,0 +1,178 @@
+"""What the planner recommends: :class:`Plan`, one candidate configuration with the cost model's predictions and
+the ways to show and run it (``describe``, ``strategy_kwargs``, ``strategy_line``, ``yaml_snippet``), and the byte
+sizes the planner reads and prints (:func:`parse_bytes`, :func:`format_bytes`).
+
+:mod:`lightning_pipe.plan` finds the plans; this module only holds them.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+#: The schedules that run several stages per process (they take ``stages_per_rank``).
+_MULTI_STAGE = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One candidate configuration and what the cost model predicts for it.
+
+    Times are in the units of the costs given (e.g. seconds if the costs are seconds per sample, or
+    "parameter-samples" when parameter counts stand in for time); only ratios between plans mean something.
+    Memory is in bytes per device, or ``None`` when no byte counts were given.
+    """
+
+    pipeline_parallel_size: int
+    data_parallel_size: int
+    num_microbatches: int
+    schedule: str
+    stages_per_rank: int
+    balance: tuple[int, ...]
+    predicted_bubble: float
+    predicted_step_time: float
+    predicted_memory_per_device: Optional[float]
+    global_batch_size: int = 0
+    ideal_step_time: float = 0.0
+    stage_costs: tuple[float, ...] = ()
+    state_memory: Optional[float] = None
+    activation_memory: Optional[float] = None
+    fits: bool = True
+
+    @property
+    def devices(self) -> int:
+        return self.pipeline_parallel_size * self.data_parallel_size
+
+    @property
+    def num_stages(self) -> int:
+        return self.pipeline_parallel_size * self.stages_per_rank
+
+    @property
+    def batch_size_per_replica(self) -> int:
+        """The batch each pipeline replica runs: the dataloader ``batch_size`` under ``PipelineStrategy``."""
+        return self.global_batch_size // self.data_parallel_size
+
+    @property
+    def microbatch_size(self) -> int:
+        return self.batch_size_per_replica // self.num_microbatches
+
+    @property
+    def efficiency(self) -> float:
+        """Ideal step time (perfect scaling, no bubble, no overhead) over the predicted one; 1.0 is perfect."""
+        return self.ideal_step_time / self.predicted_step_time if self.predicted_step_time else 1.0
+
+    def strategy_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of ``PipelineStrategy`` that run this plan."""
+        kwargs: dict[str, Any] = {
+            "pipeline_parallel_size": self.pipeline_parallel_size,
+            "data_parallel_size": self.data_parallel_size,
+            "num_microbatches": self.num_microbatches,
+            "schedule": self.schedule,
+        }
+        if self.schedule in _MULTI_STAGE:
+            kwargs["stages_per_rank"] = self.stages_per_rank
+        kwargs["balance"] = list(self.balance)
+        return kwargs
+
+    def strategy_line(self) -> str:
+        """The ``PipelineStrategy(...)`` call that runs this plan."""
+        args = ", ".join(f"{k}={v!r}" for k, v in self.strategy_kwargs().items())
+        return f"PipelineStrategy({args})"
+
+    def yaml_snippet(self) -> str:
+        """The LightningCLI config lines that run this plan (the datamodule's ``batch_size`` is per replica)."""
+        lines = [
+            "trainer:",
+            "  strategy:",
+            "    class_path: lightning_pipe.PipelineStrategy",
+            "    init_args:",
+        ]
+        for key, value in self.strategy_kwargs().items():
+            shown = "[" + ", ".join(str(x) for x in value) + "]" if isinstance(value, list) else str(value)
+            if key == "schedule":
+                shown = f'"{value}"'
+            lines.append(f"      {key}: {shown}")
+        lines += [
+            "data:",
+            "  init_args:",
+            f"    batch_size: {self.batch_size_per_replica}"
+            f"  # per replica: global batch {self.global_batch_size} / {self.data_parallel_size} replicas",
+        ]
+        return "\n".join(lines)
+
+    def describe(self) -> str:
+        """A few lines a person can read: the layout, the predictions and the ``PipelineStrategy`` call."""
+        per_rank = _plural(self.stages_per_rank, "stage")
+        micro = _plural(self.num_microbatches, "microbatch", "microbatches")
+        lines = [
+            f"pipeline {self.pipeline_parallel_size} x data-parallel {self.data_parallel_size}"
+            f" ({self.devices} devices), schedule {self.schedule}, {per_rank} per process",
+            f"  {micro} of {_plural(self.microbatch_size, 'sample')} (batch {self.batch_size_per_replica}"
+            f" per replica, {self.global_batch_size} global)",
+            f"  modules per stage: {list(self.balance)}; slowest stage costs {_num(max(self.stage_costs, default=0))}"
+            f" per sample (stages: {', '.join(_num(c) for c in self.stage_costs)})",
+            f"  predicted bubble {self.predicted_bubble:.1%}, step time {_num(self.predicted_step_time)}"
+            f" ({self.efficiency:.0%} of ideal scaling)",
+        ]
+        if self.predicted_memory_per_device is None:
+            lines.append("  memory: not estimated (no parameter or activation bytes given)")
+        else:
+            lines.append(
+                f"  memory per device {format_bytes(self.predicted_memory_per_device)}"
+                f" (weights, gradients and optimizer state {format_bytes(self.state_memory or 0)},"
+                + (
+                    " activations not counted)"
+                    if self.activation_memory is None
+                    else f" activations {format_bytes(self.activation_memory)})"
+                )
+                + ("" if self.fits else "  OVER BUDGET")
+            )
+        if self.pipeline_parallel_size == 1:
+            lines.append("  (a pipeline of one process is plain data parallelism: DDP runs it just as well)")
+        lines.append(f"  {self.strategy_line()}")
+        return "\n".join(lines)
+
+
+def _plural(n: int, one: str, many: str = "") -> str:
+    return f"{n} {one if n == 1 else (many or one + 's')}"
+
+
+def _num(x: float) -> str:
+    return f"{x:.4g}" if abs(x) < 1e5 else f"{x:.3e}"
+
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1024,
+    "kb": 1000,
+    "kib": 1024,
+    "m": 1024**2,
+    "mb": 1000**2,
+    "mib": 1024**2,
+    "g": 1024**3,
+    "gb": 1000**3,
+    "gib": 1024**3,
+    "t": 1024**4,
+    "tb": 1000**4,
+    "tib": 1024**4,
+}
+
+
+def parse_bytes(text: Union[str, float, int]) -> int:
+    """``"16GiB"`` -> 17179869184. Units: B, KB/MB/GB/TB (powers of 1000), KiB/MiB/GiB/TiB and K/M/G/T (of 1024)."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        return int(text)
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ValueError(f"Cannot read {text!r} as a size in bytes; write e.g. '16GiB', '512MB' or '1e9'.")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def format_bytes(n: float) -> str:
+    """``17179869184`` -> ``"16.00 GiB"``."""
+    for unit, scale in (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
