@@ -257,7 +257,9 @@ def test_consolidate_cli(saved, reference, work):
     trained = merged_state(results(saved["out"], "train", 2))
     assert list(checkpoint["state_dict"]) == list(reference["one_epoch"]["state_dict"])  # single-device order
     model = models.TinyLM.load_from_checkpoint(out_file)  # no strategy, no process group
-    assert dict(model.hparams) == {"blocks": 4, "lr": 0.1, "optimizer": "sgd", "scheduler": "step", "batchnorm": False}
+    assert dict(model.hparams) == {
+        "blocks": 4, "lr": 0.1, "optimizer": "sgd", "scheduler": "step", "batchnorm": False, "train_metric": False,
+    }
     state = model.state_dict()
     assert set(state) == set(trained) and all(torch.equal(state[k], v) for k, v in trained.items())
     # the optimizer state is in torch.optim format: a single-device run resumes from the file exactly
