@@ -16,27 +16,36 @@ half-written directory under the final name. Overwriting a checkpoint of the sam
 old one aside (``<name>.old-lightning-pipe``) for the instant between the two renames; loading falls back to it.
 
 Loading accepts a checkpoint directory saved with any pipeline layout (another pipeline size, balance or
-schedule) or an ordinary single-file Lightning checkpoint; every rank takes its stages' slice.
+schedule) or an ordinary single-file Lightning checkpoint; every rank takes its stages' slice. The bookkeeping of
+parameter names and optimizer state behind this is in :mod:`lightning_pipe.checkpoint_names`.
 """
 
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_optimizer_state_dict,
-    set_optimizer_state_dict,
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+from lightning_pipe.checkpoint_names import (
+    _OPTIM_OPTIONS,
+    CheckpointMismatchError,
+    _all_gather,
+    _backbone_prefix,
+    _flat_param_groups,
+    _group_names,
+    _load_full_optimizer_state,
+    _merge_groups,
+    _merge_order,
+    _optimizer_state_for_save,
+    _set_param_groups,
 )
 
 if TYPE_CHECKING:
@@ -47,14 +56,6 @@ INFO_KEY = "lightning_pipe"
 FORMAT_VERSION = 1
 _TMP_SUFFIX = ".tmp-lightning-pipe"
 _OLD_SUFFIX = ".old-lightning-pipe"
-_OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
-
-
-class CheckpointMismatchError(KeyError):
-    """The checkpoint does not fit the model or optimizer it is loaded into."""
-
-    def __str__(self) -> str:  # KeyError would print the message quoted, with its newlines escaped
-        return str(self.args[0]) if self.args else ""
 
 
 def is_pipeline_checkpoint(path: Any) -> bool:
@@ -239,36 +240,6 @@ def _fitting(model: nn.Module) -> bool:
     return trainer is not None and trainer.state.fn == "fit"
 
 
-def _optimizer_state_for_save(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    if not optimizer.state and all(p.grad is None for g in optimizer.param_groups for p in g["params"]):
-        # Not stepped yet. `get_optimizer_state_dict` would initialise the state with a zero-lr step (Adam's step
-        # count would become 1 and change the run): save the hyper-parameters only.
-        return _flat_param_groups(model, optimizer)
-    return get_optimizer_state_dict(model, optimizer, options=_OPTIM_OPTIONS)
-
-
-def _flat_param_groups(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """The ``param_groups.<name>.<key>`` entries of the flattened optimizer state dict."""
-    names = _param_names(model)
-    return {
-        f"param_groups.{names[id(p)]}.{key}": value
-        for group in optimizer.param_groups
-        for p in group["params"]
-        for key, value in group.items()
-        if key != "params"
-    }
-
-
-def _set_param_groups(model: nn.Module, optimizer: torch.optim.Optimizer, flat: dict[str, Any]) -> None:
-    names = _param_names(model)
-    for group in optimizer.param_groups:
-        if group["params"]:
-            name = names[id(group["params"][0])]
-            for key in list(group):
-                if key != "params" and f"param_groups.{name}.{key}" in flat:
-                    group[key] = flat[f"param_groups.{name}.{key}"]
-
-
 def _check_against(path: Path, state: dict[str, Any], stored: dict[str, Any], strict: bool, rank: int) -> None:
     """Compare what every rank needs with what the checkpoint holds; fail on every rank, naming the problem.
 
@@ -360,111 +331,6 @@ def _load_file(strategy: PipelineStrategy, path: Path, weights_only: Optional[bo
             _load_full_optimizer_state(model, optimizer, saved, groups, path)
     checkpoint["state_dict"] = model.state_dict()
     return checkpoint
-
-
-def _load_full_optimizer_state(
-    model: nn.Module, optimizer: torch.optim.Optimizer, saved: dict[str, Any], groups: list[list[str]], path: Path
-) -> None:
-    """Give ``optimizer`` (this rank's parameters) its part of a single-device optimizer state dict.
-
-    A single-device state dict numbers the parameters group after group; ``groups`` are the full model's groups
-    (gathered from all ranks, in module order), which gives every number its parameter name.
-    """
-    saved_groups = saved["param_groups"]
-    sizes = [len(g["params"]) for g in saved_groups]
-    if sizes != [len(g) for g in groups]:
-        raise CheckpointMismatchError(
-            f"The optimizer state in `{path}` has parameter groups of sizes {sizes}, but this model's optimizer,"
-            f" over all pipeline stages, has {[len(g) for g in groups]}. It was saved for another model or optimizer"
-            " configuration; load the weights only (`Model.load_from_checkpoint`) and fit without `ckpt_path`."
-        )
-    number_of: dict[str, Any] = {}
-    for saved_group, names in zip(saved_groups, groups):
-        names = saved_group.get("param_names", names)
-        number_of.update(zip(names, saved_group["params"]))
-    param_names = _param_names(model)
-    new_state: dict[int, Any] = {}
-    new_groups = []
-    counter = 0
-    for group, saved_group in zip(optimizer.param_groups, saved_groups):
-        numbers = []
-        for param in group["params"]:
-            name = param_names[id(param)]
-            if name not in number_of:
-                raise CheckpointMismatchError(f"The optimizer state in `{path}` has no entry for `{name}`.")
-            entry = saved["state"].get(number_of[name])
-            if entry is not None:
-                for key, value in entry.items():
-                    if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != param.shape:
-                        raise CheckpointMismatchError(
-                            f"The optimizer state `{key}` for `{name}` in `{path}` has shape {tuple(value.shape)}"
-                            f" but the parameter has {tuple(param.shape)}: the optimizer's parameter order differs"
-                            " from the checkpoint's (parameter groups must list parameters in module order)."
-                        )
-                new_state[counter] = entry
-            numbers.append(counter)
-            counter += 1
-        new_group = {k: v for k, v in saved_group.items() if k not in ("params", "param_names")}
-        new_group["params"] = numbers
-        if "param_names" in group:
-            new_group["param_names"] = list(group["param_names"])
-        new_groups.append(new_group)
-    optimizer.load_state_dict({"state": new_state, "param_groups": new_groups})
-
-
-# -------------------------------------------------------------------------------------------------------------- names
-def _backbone_prefix(strategy: Any) -> str:
-    return getattr(strategy, "_backbone_path", "backbone") + "."
-
-
-def _param_names(model: nn.Module) -> dict[int, str]:
-    names: dict[int, str] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), name)
-    return names
-
-
-def _group_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
-    names = _param_names(model)
-    return [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
-
-
-def _merge_order(lists: list[list[str]], prefix: str) -> list[str]:
-    """The full model's order of names, from every rank's local order (each a subsequence of it).
-
-    Names under the backbone go by backbone module index (each module lives on one stage, in its local order);
-    other names (replicated on every rank) keep their place before or after the backbone.
-    """
-    pattern = re.compile(re.escape(prefix) + r"(\d+)(\.|$)")
-    keys: dict[str, tuple] = {}
-    for names in lists:
-        seen_backbone = False
-        for pos, name in enumerate(names):
-            match = pattern.match(name)
-            if match:
-                seen_backbone = True
-                key: tuple = (1, int(match.group(1)), pos)
-            else:
-                key = (2 if seen_backbone else 0, pos, 0)
-            if name not in keys or (key[0] == 2 and keys[name][0] == 0):
-                keys[name] = key
-    return sorted(keys, key=keys.__getitem__)
-
-
-def _merge_groups(per_rank: list[list[list[str]]], prefix: str) -> list[list[str]]:
-    """Merge every rank's parameter groups of one optimizer (same group count on every rank)."""
-    counts = {len(groups) for groups in per_rank}
-    if len(counts) != 1:
-        raise RuntimeError(f"The ranks' optimizers have different numbers of parameter groups: {sorted(counts)}.")
-    return [_merge_order([groups[g] for groups in per_rank], prefix) for g in range(counts.pop())]
-
-
-def _all_gather(obj: Any) -> list[Any]:
-    if not (dist.is_available() and dist.is_initialized()):
-        return [obj]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
 
 
 # ----------------------------------------------------------------------------------------------- load_from_checkpoint

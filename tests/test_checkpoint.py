@@ -33,6 +33,7 @@ import models
 from helpers import merged_state, run_script
 
 from lightning_pipe import checkpoint as ckpt
+from lightning_pipe.checkpoint_names import _merge_order
 from lightning_pipe.consolidate import consolidated_checkpoint, main as consolidate_main
 
 HERE = Path(__file__).resolve().parent
@@ -392,7 +393,7 @@ def test_merge_order_follows_the_backbone():
         ["head_free", "backbone.0.weight", "backbone.2.weight", "backbone.2.bias", "tail"],
         ["head_free", "backbone.1.weight", "backbone.10.weight", "tail"],
     ]
-    assert ckpt._merge_order(ranks, "backbone.") == [
+    assert _merge_order(ranks, "backbone.") == [
         "head_free", "backbone.0.weight", "backbone.1.weight", "backbone.2.weight", "backbone.2.bias",
         "backbone.10.weight", "tail",
     ]
