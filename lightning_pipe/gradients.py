@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Union
 
 import torch
@@ -26,6 +27,16 @@ def global_grad_norm(
     powered = local**norm_type
     dist.all_reduce(powered, op=dist.ReduceOp.SUM, group=group)
     return powered ** (1.0 / norm_type)
+
+
+def use_global_norm_clipping(plugin: Precision, group: dist.ProcessGroup) -> None:
+    """Make ``gradient_clip_val`` (by norm) use the norm over the whole model, not over the local stage.
+
+    Lightning clips through ``Precision.clip_grad_by_norm``; the plugin has no pipeline-aware variant, so this
+    one instance method is replaced. Gradients are identical across data-parallel replicas by then, so the
+    squared norms are summed over the pipeline group only.
+    """
+    plugin.clip_grad_by_norm = functools.partial(clip_by_global_norm, plugin, group)  # type: ignore[method-assign]
 
 
 def clip_by_global_norm(

@@ -148,3 +148,20 @@ def make_layout(
         bounds.append((start, start + size))
         start += size
     return StageLayout(tuple(bounds), pipeline_size, style)
+
+
+def resolve_sizes(pp: Union[int, str], dp: Union[int, str], world_size: int) -> tuple[int, int]:
+    """``(pipeline_parallel_size, data_parallel_size)`` for ``world_size`` processes, either given as ``"auto"``."""
+    given_pp, given_dp = pp, dp
+    if pp == "auto":
+        pp = world_size if dp == "auto" else max(world_size // dp, 1)
+    if dp == "auto":
+        dp = max(world_size // pp, 1)
+    if pp * dp != world_size:
+        raise ValueError(
+            f"`PipelineStrategy(pipeline_parallel_size={given_pp!r}, data_parallel_size={given_dp!r})` needs"
+            f" {pp} * {dp} = {pp * dp} processes, but the Trainer runs {world_size} (devices * num_nodes)."
+            " Make pipeline_parallel_size * data_parallel_size equal the number of processes, or leave one of them"
+            " 'auto' and use a process count it divides."
+        )
+    return pp, dp

@@ -34,19 +34,18 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torchmetrics import Metric
 from typing_extensions import override
 
 import lightning.pytorch as pl
 from lightning_pipe import checkpoint as _ckpt
 from lightning_pipe.backbone import LocalBackbone, resolve_backbone
 from lightning_pipe import stage as _stage
+from lightning_pipe import split as _split
 from lightning_pipe import steps as _steps
 from lightning_pipe import timeline as _timeline
-from lightning_pipe.gradients import agree_on_overflow, clip_by_global_norm
+from lightning_pipe.gradients import agree_on_overflow, use_global_norm_clipping
 from lightning_pipe.logging_bridge import LogChannel
-from lightning_pipe.partition import BALANCE_MODES, StageLayout, make_layout
-from lightning_pipe.profile import metrics_restored, require_real_weights, time_modules
+from lightning_pipe.partition import BALANCE_MODES, StageLayout, resolve_sizes
 from lightning_pipe.pipeline import StagePipeline, microbatches_for, placement_style, resolve_schedule
 
 if TYPE_CHECKING:
@@ -266,7 +265,7 @@ class PipelineStrategy(ParallelStrategy):
         if self._device_mesh is None:
             # Built once per strategy: Lightning keeps each logged key's `sync_dist_group` across `fit`, `validate`,
             # `test` on one Trainer and refuses another group object for the same key.
-            pp, dp = _resolve_sizes(self._pipeline_parallel_size, self._data_parallel_size, self.world_size)
+            pp, dp = resolve_sizes(self._pipeline_parallel_size, self._data_parallel_size, self.world_size)
             self._device_mesh = init_device_mesh(self.root_device.type, (dp, pp), mesh_dim_names=("dp", "pp"))
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
@@ -297,26 +296,8 @@ class PipelineStrategy(ParallelStrategy):
         assert module is not None
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
-        if fitting and not module.automatic_optimization:
-            raise ValueError(
-                f"`{type(self).__name__}` runs forward and backward inside the pipeline schedule, so manual"
-                " optimization (`self.automatic_optimization = False`) is not supported. Remove it and return the"
-                " loss from `training_step`; Lightning then steps the optimizers."
-            )
-        if self._layer_sync is not None:
-            raise ValueError(
-                f"`Trainer(sync_batchnorm=True)` is not supported by `{type(self).__name__}`: a BatchNorm layer lives"
-                " on one stage and normalises each microbatch, and there is no group to synchronise it over that"
-                " would match single-device statistics. Remove `sync_batchnorm=True` (see docs/evaluation.md)."
-            )
-        synced = [n for n, m in module.named_modules() if isinstance(m, Metric) and m.dist_sync_on_step]
-        if synced and self.pipeline_parallel_size > 1:
-            raise ValueError(
-                f"`{type(self).__name__}`: the metrics {synced} have `dist_sync_on_step=True`, which syncs every"
-                " call over all processes, but only the last stage calls a metric, so the sync would wait forever."
-                " Create them with `dist_sync_on_step=False` (the default); the epoch value is still synced."
-            )
-        backbone = self._split(module)
+        _split.refuse_unsupported(self, module, fitting)
+        backbone = _split.split_backbone(self, module)
         _stage.materialize_local(module, backbone, self.root_device)
         self.model = self.precision_plugin.convert_module(module)
         self.model_to_device()
@@ -339,7 +320,7 @@ class PipelineStrategy(ParallelStrategy):
         channel = (self._pipeline.group, self._pipeline.last_stage_rank, self.pipeline_parallel_size, self.root_device)
         self._train_channel, self._eval_channel = LogChannel(*channel), LogChannel(*channel)
         self._params = [p for p in module.parameters() if p.requires_grad]
-        _use_global_norm_clipping(self.precision_plugin, self.device_mesh.get_group("pp"))
+        use_global_norm_clipping(self.precision_plugin, self.device_mesh.get_group("pp"))
         agree_on_overflow(self.precision_plugin)
         if fitting:
             self.setup_optimizers(trainer)
@@ -359,57 +340,6 @@ class PipelineStrategy(ParallelStrategy):
         if batch_size is None:
             return microbatch_target(pp, spr, schedule)
         return default_num_microbatches(batch_size, pp, spr, schedule)
-
-    def _split(self, module: pl.LightningModule) -> LocalBackbone:
-        """Replace the backbone by this rank's stages; a module split before (fit, then validate) is reused."""
-        parent, name, backbone = resolve_backbone(module, self._backbone_path)
-        style = placement_style(self._schedule_name)
-        if isinstance(backbone, LocalBackbone):
-            layout = backbone.layout
-            if (layout.pipeline_size, layout.stages_per_rank, layout.style) != (
-                self.pipeline_parallel_size,
-                self._stages_per_rank,
-                style,
-            ) or backbone.indices != layout.rank_modules(self.pipeline_rank):
-                raise ValueError(
-                    f"The backbone was already split for another pipeline ({layout.describe()}). Create a new"
-                    " LightningModule (or load it from a checkpoint) to run it with a different pipeline layout."
-                )
-            return backbone
-        inside = {id(p) for p in backbone.parameters()}
-        outside = [n for n, p in module.named_parameters() if p.requires_grad and id(p) not in inside]
-        if outside:
-            raise ValueError(
-                f"`{type(self).__name__}` trains only the pipelined backbone `{self._backbone_path}`, but these"
-                f" trainable parameters are outside it: {outside[:5]}{' ...' if len(outside) > 5 else ''}. Move"
-                " those modules into the backbone `nn.Sequential`, or freeze them with `requires_grad_(False)`."
-            )
-        if self._balance == "time":
-            costs = self._measure_module_times(module, parent, name, backbone)
-        else:
-            costs = [sum(p.numel() for p in m.parameters()) for m in backbone]
-        layout = make_layout(costs, self.pipeline_parallel_size, self._stages_per_rank, self._balance, style)
-        local = LocalBackbone(backbone, layout.rank_modules(self.pipeline_rank), len(backbone))
-        local.layout = layout
-        del backbone  # the other ranks' modules: on the meta device they were never allocated
-        setattr(parent, name, local)
-        rank_zero_info(f"PipelineStrategy ({self._schedule_name}): {layout.describe()}")
-        return local
-
-    def _measure_module_times(
-        self, module: pl.LightningModule, parent: nn.Module, name: str, backbone: nn.Sequential
-    ) -> list[float]:
-        """Time every backbone module on one microbatch of the first batch (on rank 0) and share the result."""
-        costs = None
-        require_real_weights(list(backbone))  # every rank holds the whole model here, so every rank refuses
-        if self.is_global_zero:
-            with _steps.profiling_batch(self, parent, name, backbone) as (inputs, loss), metrics_restored(module):
-                costs = time_modules(
-                    list(backbone), inputs, self.root_device, context=self.precision_plugin.train_step_context,
-                    loss=loss,
-                )
-            rank_zero_info("PipelineStrategy: forward+backward ms per module: " + ", ".join(f"{c * 1e3:.2f}" for c in costs))
-        return self.broadcast(costs)
 
     @override
     def model_to_device(self) -> None:
@@ -625,22 +555,6 @@ class PipelineStrategy(ParallelStrategy):
                 strategy_registry.register(name, cls, description=description, schedule=schedule)
 
 
-def _resolve_sizes(pp: _Size, dp: _Size, world_size: int) -> tuple[int, int]:
-    given_pp, given_dp = pp, dp
-    if pp == "auto":
-        pp = world_size if dp == "auto" else max(world_size // dp, 1)
-    if dp == "auto":
-        dp = max(world_size // pp, 1)
-    if pp * dp != world_size:
-        raise ValueError(
-            f"`PipelineStrategy(pipeline_parallel_size={given_pp!r}, data_parallel_size={given_dp!r})` needs"
-            f" {pp} * {dp} = {pp * dp} processes, but the Trainer runs {world_size} (devices * num_nodes)."
-            " Make pipeline_parallel_size * data_parallel_size equal the number of processes, or leave one of them"
-            " 'auto' and use a process count it divides."
-        )
-    return pp, dp
-
-
 def _loaders(loaders: Any) -> list[Any]:
     if loaders is None:
         return []
@@ -649,13 +563,3 @@ def _loaders(loaders: Any) -> list[Any]:
     if isinstance(loaders, dict):
         return list(loaders.values())
     return [loaders]
-
-
-def _use_global_norm_clipping(plugin: Precision, group: dist.ProcessGroup) -> None:
-    """Make ``gradient_clip_val`` (by norm) use the norm over the whole model, not over the local stage.
-
-    Lightning clips through ``Precision.clip_grad_by_norm``; the plugin has no pipeline-aware variant, so this
-    one instance method is replaced. Gradients are identical across data-parallel replicas by then, so the
-    squared norms are summed over the pipeline group only.
-    """
-    plugin.clip_grad_by_norm = functools.partial(clip_by_global_norm, plugin, group)  # type: ignore[method-assign]

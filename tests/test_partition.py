@@ -70,3 +70,13 @@ def test_every_module_is_on_exactly_one_rank():
         layout = make_layout(list(range(1, 14)), pp, spr, "parameters", style)
         held = sorted(i for r in range(pp) for i in layout.rank_modules(r))
         assert held == list(range(13))
+
+
+def test_resolve_sizes_fills_in_auto_and_names_the_mismatch():
+    from lightning_pipe.partition import resolve_sizes
+
+    assert resolve_sizes("auto", "auto", 4) == (4, 1)
+    assert resolve_sizes(2, "auto", 8) == (2, 4)
+    assert resolve_sizes("auto", 2, 8) == (4, 2)
+    with pytest.raises(ValueError, match=r"needs 3 \* 1 = 3 processes, but the Trainer runs 4"):
+        resolve_sizes(3, "auto", 4)
