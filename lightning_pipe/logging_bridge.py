@@ -163,17 +163,24 @@ class LogChannel:
     The first step (and any step whose logged keys or options change) sends a pickled object. After that, when
     the keys are the same and every value is a scalar, only the values travel, in one small tensor broadcast:
     a flag in the first slot tells the receivers whether the object follows.
+
+    The source does not wait for that broadcast: the last stage finishes its step before the first stage does
+    (which still runs the last backward), and a blocking send would hold it until then instead of letting it
+    step its optimizer and start the next batch meanwhile. The send completes in the background and is waited
+    for before the next one.
     """
 
     def __init__(self, group: Optional[dist.ProcessGroup], src: int, size: int, device: torch.device) -> None:
         self.group, self.src, self.size, self.device = group, src, size, device
         self._signature: Optional[tuple] = None
+        self._in_flight: Optional[tuple[Any, torch.Tensor]] = None  # the source's last send and its buffer
 
     def share(self, payload: Optional[tuple[Any, list]]) -> tuple[Any, list]:
         """``payload`` is ``(result, entries)`` on the source rank and ``None`` elsewhere."""
         if self.size == 1:
             assert payload is not None
             return payload
+        self.wait()
         slots = len(self._signature) + 1 if self._signature is not None else 0
         buffer = torch.zeros(1 + slots, dtype=torch.float64, device=self.device)
         if payload is not None:
@@ -186,6 +193,9 @@ class LogChannel:
                 if values:
                     buffer[2 : 2 + len(values)] = torch.stack([v.detach().double().reshape(()) for v in values])
                 buffer[0] = 1
+                work = dist.broadcast(buffer, group_src=self.src, group=self.group, async_op=True)
+                self._in_flight = (work, buffer)
+                return payload
         dist.broadcast(buffer, group_src=self.src, group=self.group)
         if buffer[0].item() == 1:
             if payload is not None:
@@ -196,6 +206,12 @@ class LogChannel:
         result, entries = box[0]
         self._signature = _signature(result, entries)
         return result, entries
+
+    def wait(self) -> None:
+        """Wait for the source's last send to complete (a no-op elsewhere)."""
+        if self._in_flight is not None:
+            self._in_flight[0].wait()
+            self._in_flight = None
 
     def _unpack(self, values: torch.Tensor) -> tuple[Any, list]:
         assert self._signature is not None
