@@ -10,10 +10,20 @@
                       (a warm-up step, not timed) to measure the bubble and draw ``benchmarks/timeline.png``
 
 The ceiling on this hardware is (a') / p × (m + p − 1) / m: perfect balance and free transfers, with the cost of
-microbatching itself included. The default model is Llama-style with a head heavier than one block (vocabulary
-8192 against a hidden size of 256), so the uniform split is uneven and the balances differ.
+microbatching itself included. Whole modules cannot always be split that evenly, so next to it the benchmark
+prints the whole-module bound: the ceiling scaled by how far the best contiguous split of the per-module times
+that (e) profiled is from a perfect one (the slowest stage over the mean).
 
-All three build the identical model (``examples/llama.py``, same seed), see the same batches of the same
+The default model is Llama-style with a head much heavier than one block: 8 blocks of hidden size 256 and a
+16384-word vocabulary, whose head and loss cost about 6.5 blocks. The uniform split (by module count) leaves the
+second rank three blocks and the head, so the balances differ. A head heavier than half of the model cannot be
+balanced by any split, and the whole-module bound then shows how far from the ceiling the best split must stay:
+with ``--n-layers 4`` the head and loss alone are 56% of the work, and the bound is 1.13× the ceiling.
+
+Each variant runs ``--rounds`` times, interleaved with the others (a, a', b, c, d, e, a, a', ...), and the run with
+the lowest median counts: a burst of other load on a shared machine slows one run, not the variant.
+
+All variants build the identical model (``examples/llama.py``, same seed), see the same batches of the same
 microbatch count and step plain SGD. Every process runs with ONE thread (``OMP_NUM_THREADS=1`` and
 ``torch.set_num_threads(1)``), (a) included: the comparison is per process, so the speed-up of (c) over (a)
 is what a second worker buys, not what a second thread would. (Lightning would otherwise give a lone process
@@ -22,15 +32,16 @@ all cores.)
 A step is the time between consecutive training-step starts on rank 0: data loading, forward, backward,
 optimizer step and Lightning's bookkeeping (for (c) also the logging bridge). The first ``--warmup`` steps
 (shape inference, allocator warm-up) are dropped and the median of the next ``--steps`` is reported. Next to
-it, each rank's median CPU seconds per step (``time.process_time``): on a shared machine the wall clock
-depends on what else runs, the CPU seconds much less, so they show the strategy's own overhead more reliably.
+it, each rank's median CPU seconds per step (``time.process_time``): they show how evenly the work is split.
+They include the communication threads of gloo, which differ between (b) and (c) for the same compute, so they
+are no measure of the integration overhead.
 
 Each variant runs in its own subprocess (``--variant NAME --out FILE``), one after the other, so Lightning's
 launcher can start the ranks of (c) as it always does. The parent prints the table and writes
 ``benchmarks/results.json``.
 
-    python benchmarks/benchmark.py                       # all three, about a minute on 2 idle cores
-    python benchmarks/benchmark.py --n-layers 8 --batch-size 32 --steps 30
+    python benchmarks/benchmark.py                       # about 9 minutes on 2 idle cores
+    python benchmarks/benchmark.py --rounds 1 --steps 10  # a quick look
 """
 
 from __future__ import annotations
@@ -215,44 +226,74 @@ def run_torch(args: argparse.Namespace) -> None:
 
 
 # --------------------------------------------------------------------------------- parent
+def run_variant(variant: str, flags: list[str], env: dict[str, str], timeout: int, label: str) -> dict[str, Any]:
+    """One variant in its own subprocess; rank 0's result with every rank's CPU seconds, and what it logged."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.json")
+        cmd = [sys.executable, os.path.abspath(__file__), f"--variant={variant}", f"--out={out}", *flags]
+        print(f"{label} running {variant}: {' '.join(cmd[1:])}", flush=True)
+        begin = time.perf_counter()
+        proc = subprocess.run(cmd, env=env, cwd=tmp, capture_output=True, text=True, timeout=timeout)
+        ranks = sorted(n for n in os.listdir(tmp) if n.startswith("result.json.rank"))
+        if proc.returncode != 0 or "result.json.rank0" not in ranks:
+            tail = f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+            sys.exit(f"variant {variant!r} failed (exit {proc.returncode}):\n{tail}")
+        per_rank = []
+        for name in ranks:
+            with open(os.path.join(tmp, name)) as f:
+                per_rank.append(json.load(f))
+    result = per_rank[0]
+    result["cpu_per_rank_median"] = [r["cpu_median"] for r in per_rank]
+    result["cpu_median_all_ranks"] = sum(r["cpu_median"] for r in per_rank)
+    result["wall_s"] = round(time.perf_counter() - begin, 1)
+    log = proc.stdout + proc.stderr
+    bubble = re.search(r"measured bubble ([0-9.]+)%", log)
+    if bubble:
+        result["timeline_bubble"] = float(bubble.group(1)) / 100
+    costs = re.search(r"forward\+backward ms per module: ([0-9., ]+)", log)
+    if costs:
+        result["module_ms"] = [float(c) for c in costs.group(1).split(",")]
+    return result
+
+
+def whole_module_bound(module_ms: list[float], p: int) -> float:
+    """How much slower than a perfect split the best contiguous split of these module times is: the slowest stage
+    of the best split over the mean stage."""
+    from lightning_pipe.partition import split_sizes
+
+    sizes = split_sizes(module_ms, p, "time")
+    bounds = [sum(sizes[:i]) for i in range(p + 1)]
+    slowest = max(sum(module_ms[bounds[i] : bounds[i + 1]]) for i in range(p))
+    return slowest / (sum(module_ms) / p)
+
+
 def run_all(args: argparse.Namespace) -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    flags = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in ("variant", "out")]
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in ("variant", "out", "rounds")]
     results: dict[str, dict] = {}
     load_before = os.getloadavg()
-    for variant in VARIANTS:
-        with tempfile.TemporaryDirectory() as tmp:
-            out = os.path.join(tmp, "result.json")
-            cmd = [sys.executable, os.path.abspath(__file__), f"--variant={variant}", f"--out={out}", *flags]
-            print(f"running {variant}: {' '.join(cmd[1:])}", flush=True)
-            begin = time.perf_counter()
-            proc = subprocess.run(cmd, env=env, cwd=tmp, capture_output=True, text=True, timeout=args.timeout)
-            ranks = sorted(n for n in os.listdir(tmp) if n.startswith("result.json.rank"))
-            if proc.returncode != 0 or "result.json.rank0" not in ranks:
-                tail = f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-                sys.exit(f"variant {variant!r} failed (exit {proc.returncode}):\n{tail}")
-            per_rank = []
-            for name in ranks:
-                with open(os.path.join(tmp, name)) as f:
-                    per_rank.append(json.load(f))
-            results[variant] = per_rank[0]
-            results[variant]["cpu_per_rank_median"] = [r["cpu_median"] for r in per_rank]
-            results[variant]["cpu_median_all_ranks"] = sum(r["cpu_median"] for r in per_rank)
-            results[variant]["wall_s"] = round(time.perf_counter() - begin, 1)
-            bubble = re.search(r"measured bubble ([0-9.]+)%", proc.stdout + proc.stderr)
-            if bubble:
-                results[variant]["timeline_bubble"] = float(bubble.group(1)) / 100
+    for round_ in range(args.rounds):
+        for variant in VARIANTS:
+            result = run_variant(variant, flags, env, args.timeout, f"round {round_ + 1}/{args.rounds}")
+            result["round_medians"] = results.get(variant, {}).get("round_medians", []) + [result["median"]]
+            if variant not in results or result["median"] < results[variant]["median"]:
+                results[variant] = result
+            else:
+                results[variant]["round_medians"] = result["round_medians"]
 
     med = {v: results[v]["median"] for v in VARIANTS}
     cpu = {v: results[v]["cpu_median_all_ranks"] for v in VARIANTS}
     p, m = 2, args.num_microbatches
     ceiling = med["microbatched"] / p * (m + p - 1) / m
+    module_ms = results["time"].get("module_ms")
+    split_excess = whole_module_bound(module_ms, p) if module_ms else None
     ratios = {
         "strategy_over_torch": med["strategy"] / med["torch"],
         "strategy_over_torch_cpu": cpu["strategy"] / cpu["torch"],
         "single_over_strategy": med["single"] / med["strategy"],
         "single_over_torch": med["single"] / med["torch"],
         "time_over_ceiling": med["time"] / ceiling,
+        "whole_module_bound_over_ceiling": split_excess,
         "torch_over_time": med["torch"] / med["time"],
         "uniform_over_time": med["strategy"] / med["time"],
         "uniform_over_parameters": med["strategy"] / med["parameters"],
@@ -265,6 +306,7 @@ def run_all(args: argparse.Namespace) -> None:
         f" {args.batch_size}, {args.num_microbatches} microbatches; {args.steps} timed steps after {args.warmup}"
         f" warm-up; 1 thread per process; {os.cpu_count()} CPUs, load average {load_before[0]:.1f} at start"
     )
+    print(f"best of {args.rounds} interleaved runs per variant (lowest median); run medians in results.json")
     print(f"{'variant':48s} {'median s/step':>13s} {'p10':>7s} {'p90':>7s} {'CPU s/step':>18s} {'run s':>6s}")
     for v, label in VARIANTS.items():
         times = sorted(results[v]["step_times"])
@@ -273,6 +315,9 @@ def run_all(args: argparse.Namespace) -> None:
         print(f"{label:48s} {med[v]:13.4f} {p10:7.4f} {p90:7.4f} {per_rank:>18s} {results[v]['wall_s']:6.1f}")
     ceiling_label = "ceiling: (a') / p * (m + p - 1) / m"
     print(f"{ceiling_label:48s} {ceiling:13.4f}")
+    if split_excess is not None:
+        bound_label = "whole-module bound: ceiling * best split's excess"
+        print(f"{bound_label:48s} {ceiling * split_excess:13.4f}")
     print(
         f"strategy / hand-written torch, same split (c)/(b): {ratios['strategy_over_torch']:.3f}x (>1: integration"
         f" overhead; in CPU seconds summed over ranks {ratios['strategy_over_torch_cpu']:.3f}x)"
@@ -280,6 +325,8 @@ def run_all(args: argparse.Namespace) -> None:
     print(f"speed-up over one process                 (a)/(c): {ratios['single_over_strategy']:.3f}x")
     print(f"speed-up of hand-written torch            (a)/(b): {ratios['single_over_torch']:.3f}x")
     print(f"balance=time over the ceiling             (e)/ceiling: {ratios['time_over_ceiling']:.3f}x")
+    if split_excess is not None:
+        print(f"best whole-module split over the ceiling  (profiled by (e)): {split_excess:.3f}x")
     print(f"balance=time against hand-written uniform (b)/(e): {ratios['torch_over_time']:.3f}x")
     print(f"uniform / time, uniform / parameters      (c)/(e), (c)/(d): {ratios['uniform_over_time']:.3f}x,"
           f" {ratios['uniform_over_parameters']:.3f}x")
@@ -312,8 +359,8 @@ def main() -> None:
     p.add_argument("--variant", default="all", choices=["all", *VARIANTS])
     p.add_argument("--out", default=None, help="(internal) where a variant writes its result")
     p.add_argument("--dim", type=int, default=256)
-    p.add_argument("--vocab-size", type=int, default=8192, help="well above --dim: a head heavier than one block")
-    p.add_argument("--n-layers", type=int, default=4)
+    p.add_argument("--vocab-size", type=int, default=16384, help="well above --dim: a head heavier than one block")
+    p.add_argument("--n-layers", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--num-microbatches", type=int, default=8)
@@ -321,6 +368,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rounds", type=int, default=2, help="runs of every variant, interleaved; the fastest counts")
     p.add_argument("--timeout", type=int, default=600, help="seconds allowed per variant")
     args = p.parse_args()
     if args.batch_size % args.num_microbatches:
