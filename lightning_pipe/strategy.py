@@ -85,7 +85,8 @@ class PipelineStrategy(ParallelStrategy):
         balance: how modules are assigned to stages: ``"uniform"`` (same module count per stage, the first
             stages take the remainder), ``"parameters"`` (minimise the largest stage's parameter count), ``"time"``
             (before training, rank 0 times each module's forward+backward on one microbatch of the first batch on
-            the real device, and the split minimises the slowest stage; every rank uses rank 0's measurement), or
+            the real device, the last module together with the ``training_step`` loss, and the split minimises the
+            slowest stage; every rank uses rank 0's measurement), or
             an explicit list with the number of modules of each stage. Checkpoints store the split:
             ``balance=lightning_pipe.stored_balance(ckpt_dir)`` reuses it on resume.
         activation_checkpointing: recompute activations in backward instead of keeping them. ``True``: every
