@@ -19,7 +19,7 @@ def test_pipeline_times_data_parallel_equals_ddp(tmp_path):
     spec = {
         "data": {"n": 64, "batch_size": 8, "shuffle": True},
         "trainer": {"max_epochs": 2, "gradient_clip_val": 0.05},
-        "model": {"scheduler": "step"},
+        "model": {"scheduler": "step", "train_metric": True},
         "use_distributed_sampler": True,
     }
     pp_dp = run_job({**spec, "devices": 4, "strategy": {"pipeline_parallel_size": 2, "num_microbatches": 2}}, tmp_path / "pp")
@@ -32,6 +32,10 @@ def test_pipeline_times_data_parallel_equals_ddp(tmp_path):
         assert max(abs(a - b) for a, b in zip(losses, expected)) < 1e-5, (rank, losses, expected)
         # the epoch sum is synced with sync_dist=True: over the 2 replicas, as under DDP
         assert abs(result["callback_metrics"]["train_loss_epoch_sum"] - ddp[0]["callback_metrics"]["train_loss_epoch_sum"]) < 1e-4
+        # a torchmetrics accuracy: per step the replica's batch value, per epoch synced over every process
+        accs = [s["train_acc_step"] for s in result["steps"]]
+        assert max(abs(a - b) for a, b in zip(accs, [s["train_acc_step"] for s in ddp[replica]["steps"]])) < 1e-6
+        assert abs(result["callback_metrics"]["train_acc_epoch"] - ddp[0]["callback_metrics"]["train_acc_epoch"]) < 1e-6
     for replica in (0, 1):
         merged = merged_state(pp_dp[2 * replica : 2 * replica + 2])
         worst = max((merged[k] - ddp[replica]["state_dict"][k]).abs().max().item() for k in merged)

@@ -33,14 +33,14 @@ def test_loggers_on_rank_zero_record_full_batch_values(tmp_path):
 def test_training_step_metric_logs_each_batch_value(tmp_path):
     """A torchmetrics accuracy called in ``training_step`` and logged with ``on_step`` and ``on_epoch``: the step
     value is the whole batch's accuracy, as on one device (the last stage runs the step per microbatch, and a
-    microbatch's accuracy differs), and the epoch value matches too. Ragged last batch and balance="time" (whose
-    profiling runs the step) included."""
+    microbatch's accuracy differs), and the epoch value matches too. Ragged last batch, gradient accumulation and
+    balance="time" (whose profiling runs the step) included."""
     spec = {
         "devices": 2,
         "model": {"train_metric": True},
         "strategy": {"num_microbatches": 4, "balance": "time"},
         "data": {"n": 44, "batch_size": 8},
-        "trainer": {"max_epochs": 2},
+        "trainer": {"max_epochs": 2, "accumulate_grad_batches": 2},
     }
     results = run_job(spec, tmp_path)
     ref = reference(spec, tmp_path)
