@@ -129,9 +129,10 @@ def profiling_batch(
 ) -> Iterator[tuple[Tensor, Optional[Callable[[Tensor], Tensor]]]]:
     """One microbatch of the first batch of the running stage's data, before the split (for profiling).
 
-    Yields the backbone input of that microbatch and, when fitting, the function that turns the backbone's output
-    on it into the ``training_step`` loss on the strategy's device (``None`` otherwise: evaluation has no loss).
-    Logs the step makes here are dropped.
+    Yields the backbone input of that microbatch, on the strategy's device after the batch transfer hooks, and,
+    when fitting, the function that turns the backbone's output on it into the ``training_step`` loss (``None``
+    otherwise: evaluation has no loss). Logs the step makes here are dropped. The module's parts outside the
+    backbone are moved to the device, where training puts them anyway.
     """
     module = strategy.lightning_module
     trainer = module.trainer
@@ -149,21 +150,20 @@ def profiling_batch(
     loader = loader[0] if isinstance(loader, (list, tuple)) else loader
     with torch.random.fork_rng():
         batch = next(iter(loader))
-    whole = LocalBackbone(backbone, list(range(len(backbone))), len(backbone))
-    setattr(parent, name, whole)
+    # The step runs as in training: on the device, with the batch passed through the transfer hooks. An empty
+    # stand-in answers the backbone call, so moving the module moves none of the backbone's weights.
+    head = LocalBackbone(backbone, [], len(backbone))
+    setattr(parent, name, head)
     try:
-        (inputs,) = capture_inputs(module, whole, step, batch, 0)
+        module.to(strategy.root_device)
+        batch = strategy.batch_to_device(batch)
+        (inputs,) = capture_inputs(module, head, step, batch, 0)
         batch_size = int(inputs.shape[0])
         rows = batch_size // strategy._microbatch_count(batch_size)
         if fn != TrainerFn.FITTING:
             yield inputs[:rows], None
             return
-        # The step's code after the backbone call runs where training runs it: on the device, with the batch
-        # there. An empty stand-in answers the backbone call, so moving the module moves no backbone weights.
-        head = LocalBackbone(backbone, [], len(backbone))
-        setattr(parent, name, head)
-        module.to(strategy.root_device)
-        sub_batch = strategy.batch_to_device(slice_batch(batch, batch_size, 0, rows))
+        sub_batch = slice_batch(batch, batch_size, 0, rows)
 
         def loss(output: Tensor) -> Tensor:
             with LogRecorder().installed(module):

@@ -71,3 +71,27 @@ def test_time_balance_agrees_across_ranks_and_stays_exact(tmp_path):
     held = sorted(int(k.split(".")[1]) for r in results for k in r["state_dict"] if k.endswith("weight"))
     assert set(held) == set(range(len(models.make_model().backbone)))
     assert_parity(results, reference(spec, tmp_path))
+
+
+def test_profiling_sees_the_batch_after_the_transfer_hooks(tmp_path):
+    """The profiled step gets the batch as training does, through ``on_after_batch_transfer``: here the raw
+    tokens are out of the vocabulary until the hook shifts them, so profiling the raw batch would fail."""
+    import lightning as L
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_pipe import PipelineStrategy
+
+    class Shifted(models.TinyLM):
+        def on_after_batch_transfer(self, batch, dataloader_idx):  # noqa: ANN001, ANN201
+            x, y = batch
+            return x - models.VOCAB, y
+
+    x, y = models.token_data(16).tensors
+    raw = DataLoader(TensorDataset(x + models.VOCAB, y), batch_size=8)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, strategy=PipelineStrategy(balance="time", num_microbatches=2), max_steps=2,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(Shifted(), raw)
+    assert trainer.global_step == 2
