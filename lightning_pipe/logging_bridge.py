@@ -53,14 +53,16 @@ class LogRecorder:
         finally:
             del module.log
 
-    def reduce(self, module: LightningModule) -> list[tuple[str, Any, dict[str, Any]]]:
+    def reduce(
+        self, module: LightningModule, metrics: Optional[list[tuple[str, Metric]]] = None
+    ) -> list[tuple[str, Any, dict[str, Any]]]:
         """One ``(name, value, options)`` per key, values reduced over microbatches.
 
         Tensors and numbers become Python floats (or a float list for non-scalars) so they travel cheaply; a
         torchmetrics ``Metric`` becomes a reference to the module attribute holding it.
         """
         entries = []
-        metrics = [(n, m) for n, m in module.named_modules() if isinstance(m, Metric)]
+        metrics = module_metrics(module) if metrics is None else metrics
         metric_names = {id(m): n for n, m in metrics}
         for name, values in self.values.items():
             options = dict(self.options[name])
@@ -303,8 +305,18 @@ def replay(
         module.log(name, value, **options)
 
 
+def module_metrics(module: torch.nn.Module) -> list[tuple[str, Metric]]:
+    """``(path, metric)`` for every torchmetrics ``Metric`` under ``module``."""
+    return [(name, m) for name, m in module.named_modules() if isinstance(m, Metric)]
+
+
+# The helpers below reach into torchmetrics' private state (``_defaults``, ``_update_count``, ``_forward_cache``,
+# ``_computed``, ``_reduce_states``, ``_to_sync``, ``_should_unsync``) the way ``Metric.forward`` itself does in
+# ``_forward_reduce_state_update``; checked against torchmetrics 1.9, and the dependency is pinned below 2.
+
+
 @contextmanager
-def per_batch_metrics(module: LightningModule, num_microbatches: int) -> Iterator[None]:
+def per_batch_metrics(metrics: list[tuple[str, Metric]], num_microbatches: int) -> Iterator[None]:
     """Make the ``Metric`` calls of a training step's microbatches add up to one call on the whole batch.
 
     Under ``training_step``, ``metric(preds, target)`` returns the value on its batch, which Lightning logs with
@@ -314,15 +326,14 @@ def per_batch_metrics(module: LightningModule, num_microbatches: int) -> Iterato
     sync, as ``forward`` does) and the state from before the step is merged back in, counted as one update per call
     on the whole batch. Metrics the step does not touch are put back as they were.
     """
-    saved = [(metric, _stash(metric)) for metric in module.modules() if isinstance(metric, Metric)]
+    saved = [(metric, _stash(metric)) for _, metric in metrics]
     yield
-    for metric, (state, count, cache, computed) in saved:
+    for metric, kept in saved:
         calls = metric._update_count
         if calls == 0:
-            for attr, value in state.items():
-                setattr(metric, attr, value)
-            metric._update_count, metric._forward_cache, metric._computed = count, cache, computed
+            _put_back(metric, kept)
             continue
+        state, count, _, _ = kept
         if metric._forward_cache is not None:
             metric._forward_cache = _batch_value(metric)
         metric._update_count = count + max(1, calls // num_microbatches)
@@ -331,7 +342,21 @@ def per_batch_metrics(module: LightningModule, num_microbatches: int) -> Iterato
         metric._computed = None
 
 
-def _stash(metric: Metric) -> tuple[dict[str, Any], int, Any, Any]:
+@contextmanager
+def metrics_set_aside(metrics: list[tuple[str, Metric]]) -> Iterator[None]:
+    """Run the block with every metric at its defaults, then put each back as it was (for a profiled step)."""
+    saved = [(metric, _stash(metric)) for _, metric in metrics]
+    try:
+        yield
+    finally:
+        for metric, kept in saved:
+            _put_back(metric, kept)
+
+
+_Stashed = tuple[dict[str, Any], int, Any, Any]
+
+
+def _stash(metric: Metric) -> _Stashed:
     """Take the metric's state out (by reference: nothing is copied) and leave it at its defaults."""
     state = {attr: getattr(metric, attr) for attr in metric._defaults}
     kept = (state, metric._update_count, metric._forward_cache, metric._computed)
@@ -343,6 +368,14 @@ def _stash(metric: Metric) -> tuple[dict[str, Any], int, Any, Any]:
     metric._update_count, metric._forward_cache, metric._computed = 0, None, None
     metric._cache, metric._is_synced = None, False
     return kept
+
+
+def _put_back(metric: Metric, kept: _Stashed) -> None:
+    """Undo :func:`_stash`: whatever happened to the metric since, it is as it was."""
+    state, count, cache, computed = kept
+    for attr, value in state.items():
+        setattr(metric, attr, value)
+    metric._update_count, metric._forward_cache, metric._computed = count, cache, computed
 
 
 def _batch_value(metric: Metric) -> Any:

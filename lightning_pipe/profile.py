@@ -4,22 +4,20 @@ The modules are timed one after the other on one microbatch of a real batch, on 
 each module is moved there, run forward and backward a few times after a warm-up, and moved back, so the whole
 model never has to fit on the device at once. The last module is timed together with the loss the user's
 ``training_step`` computes from its output, since the last stage runs that too: a cross-entropy over a large
-vocabulary costs as much as a block. Buffers (BatchNorm statistics), torchmetrics states and the random number
-generators are restored afterwards, and gradients are cleared: profiling leaves no trace in training.
+vocabulary costs as much as a block. Buffers (BatchNorm statistics) and the random number generators are
+restored afterwards, and gradients are cleared: profiling leaves no trace in training (the strategy also sets
+torchmetrics states aside around it).
 """
 
 from __future__ import annotations
 
-import copy
 import statistics
 import time
-from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import Any, Callable, Optional
+from contextlib import AbstractContextManager, nullcontext
+from typing import Callable, Optional
 
 import torch
 from torch import nn
-from torchmetrics import Metric
 
 
 def time_modules(
@@ -96,19 +94,3 @@ def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
-
-@contextmanager
-def metrics_restored(module: nn.Module) -> Iterator[None]:
-    """Put every torchmetrics ``Metric`` under ``module`` back as it was: a profiled ``training_step`` updates them."""
-    saved = [(metric, _metric_state(metric)) for metric in module.modules() if isinstance(metric, Metric)]
-    try:
-        yield
-    finally:
-        for metric, state in saved:
-            for attr, value in state.items():
-                setattr(metric, attr, value)
-
-
-def _metric_state(metric: Metric) -> dict[str, Any]:
-    attrs = [*metric._defaults, "_update_count", "_computed", "_forward_cache", "_is_synced", "_cache"]
-    return {attr: copy.deepcopy(getattr(metric, attr)) for attr in attrs if hasattr(metric, attr)}

@@ -17,7 +17,8 @@ from lightning_pipe import steps as _steps
 from lightning_pipe.backbone import LocalBackbone, resolve_backbone
 from lightning_pipe.partition import make_layout
 from lightning_pipe.pipeline import placement_style
-from lightning_pipe.profile import metrics_restored, require_real_weights, time_modules
+from lightning_pipe.logging_bridge import metrics_set_aside, module_metrics
+from lightning_pipe.profile import require_real_weights, time_modules
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -93,7 +94,8 @@ def _measure_module_times(
     costs = None
     require_real_weights(list(backbone))  # every rank holds the whole model here, so every rank refuses
     if strategy.is_global_zero:
-        with _steps.profiling_batch(strategy, parent, name, backbone) as (inputs, loss), metrics_restored(module):
+        profiled = _steps.profiling_batch(strategy, parent, name, backbone)
+        with profiled as (inputs, loss), metrics_set_aside(module_metrics(module)):
             context = strategy.precision_plugin.train_step_context
             costs = time_modules(list(backbone), inputs, strategy.root_device, context=context, loss=loss)
         rank_zero_info("PipelineStrategy: forward+backward ms per module: " + ", ".join(f"{c * 1e3:.2f}" for c in costs))

@@ -10,7 +10,7 @@ pipeline and logged there (:mod:`lightning_pipe.logging_bridge`).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
@@ -26,7 +26,7 @@ from lightning_pipe.backbone import (
     run_with_output,
     slice_batch,
 )
-from lightning_pipe.logging_bridge import LogRecorder, per_batch_metrics, replay
+from lightning_pipe.logging_bridge import LogRecorder, module_metrics, per_batch_metrics, replay
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -62,13 +62,14 @@ def train_batch(strategy: PipelineStrategy, batch: Any, *rest: Any, **kwargs: An
         return amp_scaler.scale(loss) if amp_scaler is not None else loss
 
     timeline = strategy._timeline_recorder()
-    with per_batch_metrics(module, num_microbatches) if pipeline.has_last_stage else nullcontext():
+    metrics = module_metrics(module) if pipeline.has_last_stage else []  # only the last stage runs the step
+    with per_batch_metrics(metrics, num_microbatches):
         strategy._pending_grads = pipeline.train_step(
             inputs, num_microbatches, microbatch_loss, strategy._params, timeline
         )
     payload = None
     if pipeline.has_last_stage:
-        payload = (torch.stack(losses).mean(), recorder.reduce(module))
+        payload = (torch.stack(losses).mean(), recorder.reduce(module, metrics))
     loss, entries = strategy._train_channel.share(payload)
     replay(module, entries, strategy.root_device, strategy.device_mesh.get_group("dp"))
     if timeline is not None:

@@ -7,7 +7,8 @@ from torch import nn
 
 import models
 from helpers import assert_parity, reference, run_job
-from lightning_pipe.profile import metrics_restored, time_modules
+from lightning_pipe.logging_bridge import metrics_set_aside, module_metrics
+from lightning_pipe.profile import time_modules
 
 
 def test_timing_leaves_no_trace():
@@ -47,7 +48,7 @@ def test_metric_states_are_restored():
     holder.acc = MulticlassAccuracy(num_classes=3, average="micro")
     holder.acc.update(torch.tensor([0, 1]), torch.tensor([0, 0]))
     before = float(holder.acc.compute())
-    with metrics_restored(holder):
+    with metrics_set_aside(module_metrics(holder)):
         holder.acc(torch.tensor([2, 2, 2]), torch.tensor([2, 2, 2]))
         assert float(holder.acc.compute()) != before
     assert holder.acc._update_count == 1
