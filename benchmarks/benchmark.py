@@ -259,11 +259,10 @@ def run_variant(variant: str, flags: list[str], env: dict[str, str], timeout: in
 def whole_module_bound(module_ms: list[float], p: int) -> float:
     """How much slower than a perfect split the best contiguous split of these module times is: the slowest stage
     of the best split over the mean stage."""
-    from lightning_pipe.partition import split_sizes
+    from lightning_pipe.partition import make_layout
 
-    sizes = split_sizes(module_ms, p, "time")
-    bounds = [sum(sizes[:i]) for i in range(p + 1)]
-    slowest = max(sum(module_ms[bounds[i] : bounds[i + 1]]) for i in range(p))
+    layout = make_layout(module_ms, p, balance="time")  # the split balance="time" makes
+    slowest = max(sum(module_ms[start:stop]) for start, stop in layout.bounds)
     return slowest / (sum(module_ms) / p)
 
 
