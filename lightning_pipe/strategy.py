@@ -404,9 +404,12 @@ class PipelineStrategy(ParallelStrategy):
         summary = _timeline.report(recorder.events, self.pipeline.group, dirpath, write=write, png=self._timeline.png)
         if summary is None or not write:
             return
+        # imported here, not at the top: `python -m lightning_pipe.plan` must not find the module already imported
+        from lightning_pipe.plan import PLANNED_SCHEDULES  # the schedules with the textbook bubble
+
         metrics = _timeline.timeline_metrics(summary)
         ideal = ""
-        if self._schedule_name in ("1F1B", "GPipe", "Interleaved1F1B"):
+        if self._schedule_name in PLANNED_SCHEDULES:
             value = _timeline.ideal_bubble_fraction(
                 self.pipeline_parallel_size, summary["num_microbatches"], self._stages_per_rank
             )
