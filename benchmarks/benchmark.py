@@ -47,10 +47,10 @@ launcher can start the ranks of (c) as it always does. The parent prints the tab
 from __future__ import annotations
 
 import argparse
-import re
 import json
 import os
 import platform
+import re
 import socket
 import statistics
 import subprocess

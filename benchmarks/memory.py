@@ -48,11 +48,11 @@ class Model(L.LightningModule):
         super().__init__()
         self.backbone = nn.Sequential(*[MLPBlock(dim) for _ in range(blocks)], nn.Linear(dim, 1))
 
-    def training_step(self, batch, batch_idx):  # noqa: ANN001
+    def training_step(self, batch, batch_idx):
         x, y = batch
         return F.mse_loss(self.backbone(x).squeeze(-1), y)
 
-    def configure_optimizers(self):  # noqa: ANN201
+    def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=1e-3)
 
 
@@ -60,7 +60,7 @@ class Probe(L.Callback):
     def __init__(self, count_saved: bool) -> None:
         self.count_saved, self.saved, self.times = count_saved, [], []
 
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):  # noqa: ANN001
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self.t0 = time.perf_counter()
         if self.count_saved:
             self.saved.append(0)
@@ -72,7 +72,7 @@ class Probe(L.Callback):
             self.hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
             self.hooks.__enter__()
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):  # noqa: ANN001
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if self.count_saved:
             self.hooks.__exit__(None, None, None)
         self.times.append(time.perf_counter() - self.t0)
@@ -99,7 +99,9 @@ def worker(args: dict) -> None:
     Path(args["out"], f"rank{trainer.global_rank}.json").write_text(json.dumps(out))
 
 
-def run(devices: int, dim: int, blocks: int, ac: bool, count_saved: bool, steps: int, seq: int, batch: int) -> list[dict]:
+def run(
+    devices: int, dim: int, blocks: int, ac: bool, count_saved: bool, steps: int, seq: int, batch: int
+) -> list[dict]:
     out = tempfile.mkdtemp()
     args = dict(devices=devices, dim=dim, blocks=blocks, ac=ac, count_saved=count_saved, steps=steps, seq=seq,
                 batch=batch, out=out)

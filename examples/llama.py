@@ -25,7 +25,6 @@ import argparse
 import glob
 import math
 import os
-import sys
 from dataclasses import asdict, dataclass
 from typing import Any, Optional, Union
 
@@ -36,11 +35,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-try:
-    from lightning_pipe import SCHEDULE_NAMES, PipelineStrategy
-except ModuleNotFoundError:  # a source checkout without `pip install -e .`: use the package next to examples/
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from lightning_pipe import SCHEDULE_NAMES, PipelineStrategy
+from lightning_pipe import SCHEDULE_NAMES, PipelineStrategy
 
 
 @dataclass

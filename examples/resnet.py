@@ -32,9 +32,7 @@ With CUDA, ``--accelerator auto`` uses one GPU per process.
 from __future__ import annotations
 
 import argparse
-import os
 import pickle
-import sys
 from pathlib import Path
 from typing import Any, Optional
 
@@ -45,11 +43,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics.classification import MulticlassAccuracy
 
-try:
-    from lightning_pipe import SCHEDULE_NAMES, PipelineStrategy
-except ModuleNotFoundError:  # a source checkout without `pip install -e .`: use the package next to examples/
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from lightning_pipe import SCHEDULE_NAMES, PipelineStrategy
+from lightning_pipe import SCHEDULE_NAMES, PipelineStrategy
 
 NUM_CLASSES = 10
 #: Bottleneck blocks in each of the four stages, by depth (3 convolutions per block, plus the stem and the head).

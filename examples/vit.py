@@ -24,9 +24,7 @@ per process.
 from __future__ import annotations
 
 import argparse
-import os
 import pickle
-import sys
 from pathlib import Path
 from typing import Any, Optional
 
@@ -37,11 +35,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics.classification import MulticlassAccuracy
 
-try:
-    from lightning_pipe import SCHEDULE_NAMES, PipelineStrategy
-except ModuleNotFoundError:  # a source checkout without `pip install -e .`: use the package next to examples/
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from lightning_pipe import SCHEDULE_NAMES, PipelineStrategy
+from lightning_pipe import SCHEDULE_NAMES, PipelineStrategy
 
 NUM_CLASSES = 10
 

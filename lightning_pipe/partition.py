@@ -10,6 +10,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Union
 
+__all__ = ["BALANCE_MODES", "StageLayout", "make_layout", "resolve_sizes", "split_sizes"]
+
 BalanceSpec = Union[str, Sequence[int]]
 
 BALANCE_MODES = ("uniform", "parameters", "time")
@@ -37,10 +39,6 @@ class StageLayout:
     @property
     def stages_per_rank(self) -> int:
         return self.num_stages // self.pipeline_size
-
-    @property
-    def sizes(self) -> list[int]:
-        return [stop - start for start, stop in self.bounds]
 
     def stage_rank(self, stage: int) -> int:
         """The pipeline rank that runs ``stage``."""

@@ -9,9 +9,9 @@ import lightning as L
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import models  # noqa: E402
+import models
 
-from lightning_pipe import PipelineStrategy  # noqa: E402
+from lightning_pipe import PipelineStrategy
 
 
 class RaisesInStep(models.TinyLM):
@@ -19,7 +19,7 @@ class RaisesInStep(models.TinyLM):
         super().__init__()
         self.failing_rank = rank
 
-    def training_step(self, batch, batch_idx):  # noqa: ANN001
+    def training_step(self, batch, batch_idx):
         failing = batch_idx == 2 and self.global_rank == self.failing_rank
         if failing and self.failing_rank == 0:  # before the backbone call: runs on the first stage
             raise RuntimeError(f"user error on rank {self.global_rank}")

@@ -29,9 +29,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import models  # noqa: E402
+import models
 
-from lightning_pipe import PipelineStrategy  # noqa: E402
+from lightning_pipe import PipelineStrategy
 
 
 class Recorder(L.Callback):
@@ -41,11 +41,11 @@ class Recorder(L.Callback):
         self.steps: list[dict[str, float]] = []
         self.start_state: dict[str, torch.Tensor] = {}
 
-    def on_train_start(self, trainer, pl_module):  # noqa: ANN001
+    def on_train_start(self, trainer, pl_module):
         self.start_state = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
         self.start_step = trainer.global_step
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):  # noqa: ANN001
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.steps.append(
             {
                 "train_loss": float(trainer.callback_metrics["train_loss"]),
@@ -54,7 +54,7 @@ class Recorder(L.Callback):
             }
         )
 
-    def on_exception(self, trainer, pl_module, exception):  # noqa: ANN001
+    def on_exception(self, trainer, pl_module, exception):
         # Written at once: rank 0 ends the other ranks shortly after an exception.
         if self.out is not None:
             self.out.mkdir(parents=True, exist_ok=True)
@@ -71,7 +71,7 @@ def _install_crash(rank: int, save: int, global_rank: int) -> None:
     original = dcp.FileSystemWriter.write_data
     count = {"n": 0}
 
-    def write_data(self, plan, planner):  # noqa: ANN001
+    def write_data(self, plan, planner):
         count["n"] += 1
         future = original(self, plan, planner)
         if count["n"] == save:
@@ -119,7 +119,7 @@ def run_phase(phase: dict[str, Any], devices: int, out: Optional[Path]) -> dict[
             trainer.fit(model, data, ckpt_path=phase.get("ckpt_path"))
         for path in phase.get("save", []):
             trainer.save_checkpoint(path)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         if not phase.get("expect_error"):
             raise
         error = "".join(traceback.format_exception_only(type(exc), exc))

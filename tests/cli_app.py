@@ -5,10 +5,10 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from lightning.pytorch.cli import LightningCLI  # noqa: E402
+import models
+from lightning.pytorch.cli import LightningCLI
 
-import lightning_pipe  # noqa: E402,F401  (registers the "pipeline" strategy names)
-import models  # noqa: E402
+import lightning_pipe  # noqa: F401  (registers the "pipeline" strategy names)
 
 if __name__ == "__main__":
     LightningCLI(models.TinyLM, models.TokenData, save_config_kwargs={"overwrite": True})

@@ -36,9 +36,9 @@ from torchmetrics.classification import MulticlassAccuracy, MulticlassAUROC
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import models  # noqa: E402
+import models
 
-from lightning_pipe import PipelineStrategy  # noqa: E402
+from lightning_pipe import PipelineStrategy
 
 
 class ModeProbe(nn.Module):
@@ -128,7 +128,7 @@ class ReplicaWriter(BasePredictionWriter):
         super().__init__(write_interval="batch_and_epoch")
         self.out_dir = out_dir
 
-    def write_on_batch_end(  # noqa: ANN001
+    def write_on_batch_end(
         self, trainer, pl_module, prediction, batch_indices, batch, batch_idx, dataloader_idx
     ):
         replica, writes = replica_of(trainer)
@@ -136,7 +136,7 @@ class ReplicaWriter(BasePredictionWriter):
             name = f"replica{replica}-rank{trainer.global_rank}-batch{batch_idx}.pt"
             torch.save(prediction["tokens"], self.out_dir / name)
 
-    def write_on_epoch_end(self, trainer, pl_module, predictions, batch_indices):  # noqa: ANN001
+    def write_on_epoch_end(self, trainer, pl_module, predictions, batch_indices):
         replica, writes = replica_of(trainer)
         if writes:  # one predict dataloader: lists of batches
             tokens = [p["tokens"] for p in predictions]
@@ -163,20 +163,20 @@ class Recorder(L.Callback):
         # the module itself, and every submodule this rank holds, must be in the phase's mode
         self.modes.setdefault(phase + "_modules", set()).update({m.training for m in pl_module.modules()})
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):  # noqa: ANN001
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self._collect(pl_module, "train")
         self.train_losses.append(float(trainer.callback_metrics["train_loss"]))
 
-    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):  # noqa: ANN001
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
         self._collect(pl_module, "validate")
 
-    def on_test_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):  # noqa: ANN001
+    def on_test_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
         self._collect(pl_module, "test")
 
-    def on_predict_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):  # noqa: ANN001
+    def on_predict_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
         self._collect(pl_module, "predict")
 
-    def on_validation_end(self, trainer, pl_module):  # noqa: ANN001
+    def on_validation_end(self, trainer, pl_module):
         if trainer.sanity_checking:
             return
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val")}

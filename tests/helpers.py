@@ -15,7 +15,9 @@ HERE = Path(__file__).resolve().parent
 JOB = HERE / "job.py"
 
 
-def run_script(args: list[str], cwd: Path, timeout: float = 180, env: dict | None = None) -> subprocess.CompletedProcess:
+def run_script(
+    args: list[str], cwd: Path, timeout: float = 180, env: dict | None = None
+) -> subprocess.CompletedProcess:
     """Run a Python script in a fresh process group; on timeout, kill the whole group (the launched ranks too)."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     for var in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "PL_GLOBAL_SEED"):
@@ -26,10 +28,10 @@ def run_script(args: list[str], cwd: Path, timeout: float = 180, env: dict | Non
     )
     try:
         out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
+    except subprocess.TimeoutExpired as err:
         os.killpg(proc.pid, 9)
         out, _ = proc.communicate()
-        raise AssertionError(f"timed out after {timeout}s:\n{out[-6000:]}")
+        raise AssertionError(f"timed out after {timeout}s:\n{out[-6000:]}") from err
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, None)
 
 
@@ -48,7 +50,7 @@ def run_job(spec: dict[str, Any], tmp_path: Path, timeout: float = 180) -> list[
 def reference(spec: dict[str, Any], tmp_path: Path) -> dict[str, Any]:
     """The same spec on one device without a strategy, in this process."""
     sys.path.insert(0, str(HERE))
-    import job  # noqa: PLC0415
+    import job
 
     ref = {k: v for k, v in spec.items() if k not in ("strategy", "devices")}
     out = tmp_path / "reference"

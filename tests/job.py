@@ -19,9 +19,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import models  # noqa: E402
+import models
 
-from lightning_pipe import PipelineStrategy  # noqa: E402
+from lightning_pipe import PipelineStrategy
 
 
 class Recorder(L.Callback):
@@ -43,11 +43,11 @@ class Recorder(L.Callback):
     def _count(self, name: str) -> None:
         self.hooks[name] = self.hooks.get(name, 0) + 1
 
-    def on_train_start(self, trainer, pl_module):  # noqa: ANN001
+    def on_train_start(self, trainer, pl_module):
         if self.initial is None:  # after setup: a meta-built model is materialised by now
             self.initial = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
 
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):  # noqa: ANN001
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self.first_rows.append(batch[0][:, 0].tolist())
         if self.count_saved:
             self.saved_bytes.append(0)
@@ -59,36 +59,37 @@ class Recorder(L.Callback):
             self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
             self._hooks.__enter__()
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):  # noqa: ANN001
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if self.count_saved:
             self._hooks.__exit__(None, None, None)
         if self.inf_at_step is not None and trainer.global_step == self.inf_at_step + 1:
             self.params_after_inf_step = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
-        metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith(("train_loss", "train_acc"))}
+        logged = trainer.callback_metrics.items()
+        metrics = {k: float(v) for k, v in logged if k.startswith(("train_loss", "train_acc"))}
         metrics["lr"] = trainer.optimizers[0].param_groups[0]["lr"]
         metrics["returned_loss"] = float(outputs["loss"])
         self.steps.append(metrics)
 
-    def on_validation_end(self, trainer, pl_module):  # noqa: ANN001
+    def on_validation_end(self, trainer, pl_module):
         if not trainer.sanity_checking:
             self.val.append({k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val")})
 
-    def on_before_backward(self, trainer, pl_module, loss):  # noqa: ANN001
+    def on_before_backward(self, trainer, pl_module, loss):
         self._count("on_before_backward")
 
-    def on_after_backward(self, trainer, pl_module):  # noqa: ANN001
+    def on_after_backward(self, trainer, pl_module):
         self._count("on_after_backward")
         if self.inf_at_step is not None and trainer.global_step == self.inf_at_step:
             self.params_before_inf_step = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
             if trainer.global_rank == trainer.world_size - 1:
                 next(p for p in pl_module.parameters() if p.grad is not None).grad.view(-1)[0] = float("inf")
 
-    def on_before_zero_grad(self, trainer, pl_module, optimizer):  # noqa: ANN001
+    def on_before_zero_grad(self, trainer, pl_module, optimizer):
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         if scaler is not None:
             self.scales.append(float(scaler.get_scale()))
 
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer):  # noqa: ANN001
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         self._count("on_before_optimizer_step")
 
 
@@ -133,9 +134,12 @@ def run(spec: dict[str, Any], out_dir: Path) -> None:
     val = models.loader(**spec["val_data"]) if "val_data" in spec else None
     for fn in spec.get("fns", ["fit"]):
         if fn == "fit":
-            trainer.fit(model, train, val)
+            trainer.fit(model, train, val, ckpt_path=spec.get("ckpt_path"))
         elif fn == "validate":
             trainer.validate(model, val if val is not None else train, verbose=False)
+    if "save_checkpoint" in spec:
+        trainer.save_checkpoint(spec["save_checkpoint"])
+    pipelined = isinstance(trainer.strategy, PipelineStrategy)
     result = {
         "steps": recorder.steps,
         "val": recorder.val,
@@ -149,7 +153,7 @@ def run(spec: dict[str, Any], out_dir: Path) -> None:
         "params_after_inf_step": recorder.params_after_inf_step,
         "callback_metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
         "global_step": trainer.global_step,
-        "layout": [list(b) for b in trainer.strategy.layout.bounds] if isinstance(trainer.strategy, PipelineStrategy) else None,
+        "layout": [list(b) for b in trainer.strategy.layout.bounds] if pipelined else None,
     }
     out_dir.mkdir(parents=True, exist_ok=True)
     torch.save(result, out_dir / f"rank{trainer.global_rank}.pt")

@@ -111,7 +111,9 @@ def token_data(n: int = 48, seed: int = 0) -> TensorDataset:
     return TensorDataset(x, y)
 
 
-def loader(n: int = 48, batch_size: int = 8, seed: int = 0, drop_last: bool = False, shuffle: bool = False) -> DataLoader:
+def loader(
+    n: int = 48, batch_size: int = 8, seed: int = 0, drop_last: bool = False, shuffle: bool = False
+) -> DataLoader:
     return DataLoader(token_data(n, seed), batch_size=batch_size, shuffle=shuffle, drop_last=drop_last)
 
 

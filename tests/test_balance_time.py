@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+import models
 import torch
+from helpers import assert_parity, reference, run_job
 from torch import nn
 
-import models
-from helpers import assert_parity, reference, run_job
-from lightning_pipe.logging_bridge import metrics_set_aside, module_metrics
-from lightning_pipe.profile import time_modules
+from lightning_pipe._metrics import metrics_set_aside, module_metrics
+from lightning_pipe._profile import time_modules
 
 
 def test_timing_leaves_no_trace():
@@ -65,13 +65,25 @@ def test_meta_model_is_refused_with_the_fix():
 
 
 def test_time_balance_agrees_across_ranks_and_stays_exact(tmp_path):
+    """The profiled split is the same on every rank, exact, stored in the checkpoint, and reused on resume with
+    ``balance=stored_balance(dir)``."""
+    from lightning_pipe import stored_balance
+
+    saved = tmp_path / "time.ckpt"
     spec = {"devices": 2, "strategy": {"num_microbatches": 4, "balance": "time"}, "data": {"n": 32, "batch_size": 8},
             "trainer": {"max_epochs": 1}}
-    results = run_job(spec, tmp_path)
+    results = run_job({**spec, "save_checkpoint": str(saved)}, tmp_path / "time")
     assert results[0]["layout"] == results[1]["layout"]
     held = sorted(int(k.split(".")[1]) for r in results for k in r["state_dict"] if k.endswith("weight"))
     assert set(held) == set(range(len(models.make_model().backbone)))
     assert_parity(results, reference(spec, tmp_path))
+    sizes = stored_balance(saved)
+    assert sizes == [stop - start for start, stop in results[0]["layout"]]
+    resume = {**spec, "strategy": {"num_microbatches": 4, "balance": sizes}, "ckpt_path": str(saved),
+              "trainer": {"max_epochs": 2}}
+    resumed = run_job(resume, tmp_path / "resumed")
+    assert [r["layout"] for r in resumed] == [results[0]["layout"]] * 2
+    assert all(r["global_step"] == 8 and len(r["steps"]) == 4 for r in resumed)
 
 
 def test_profiling_sees_the_batch_after_the_transfer_hooks(tmp_path):
@@ -83,7 +95,7 @@ def test_profiling_sees_the_batch_after_the_transfer_hooks(tmp_path):
     from lightning_pipe import PipelineStrategy
 
     class Shifted(models.TinyLM):
-        def on_after_batch_transfer(self, batch, dataloader_idx):  # noqa: ANN001, ANN201
+        def on_after_batch_transfer(self, batch, dataloader_idx):
             x, y = batch
             return x - models.VOCAB, y
 

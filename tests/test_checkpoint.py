@@ -25,16 +25,18 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import pytest
-import torch
-
 import ckpt_job
 import models
+import pytest
+import torch
 from helpers import merged_state, run_script
 
-from lightning_pipe import checkpoint as ckpt
-from lightning_pipe.checkpoint_names import _merge_order
-from lightning_pipe.consolidate import consolidated_checkpoint, main as consolidate_main
+import lightning_pipe
+from lightning_pipe.checkpoint import _dcp, _files, is_pipeline_checkpoint
+from lightning_pipe.checkpoint._files import INFO_KEY, OLD_SUFFIX, TMP_SUFFIX
+from lightning_pipe.checkpoint._names import merge_order
+from lightning_pipe.consolidate import consolidated_checkpoint
+from lightning_pipe.consolidate import main as consolidate_main
 
 HERE = Path(__file__).resolve().parent
 JOB = HERE / "ckpt_job.py"
@@ -130,7 +132,8 @@ def saved(work, reference) -> dict[str, Any]:
     ]
     proc, out = launch(work, "saved", 2, phases)
     assert proc.returncode == 0, proc.stdout[-6000:]
-    return {"out": out, "topk": topk, "epochs": epochs, "manual": manual, "epoch0": Path(epoch0), "linked": work / "linked",
+    return {"out": out, "topk": topk, "epochs": epochs, "manual": manual, "epoch0": Path(epoch0),
+            "linked": work / "linked",
             "weights": work / "weights" / "epoch=0.ckpt"}
 
 
@@ -203,7 +206,7 @@ def test_model_checkpoint_directories(saved, reference):
     assert listing[str(saved["topk"])] == sorted(["last.ckpt"] + [f"step={s}.ckpt" for s in best])
     assert listing[str(saved["epochs"])] == ["epoch=0.ckpt"]
     for path in [*saved["topk"].iterdir(), *saved["epochs"].iterdir(), saved["manual"]]:
-        assert ckpt.is_pipeline_checkpoint(path), path
+        assert is_pipeline_checkpoint(path), path
         assert sorted(p.name for p in path.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
     # every top-k checkpoint holds the state of its step: compare with single-device training
     for step in best:
@@ -219,7 +222,7 @@ def test_resume_from_last(saved, reference):
 def test_save_last_as_a_link(saved, reference):
     """``save_last="link"``: ``last.ckpt`` is a symlink to the newest complete directory, and resumes exactly."""
     last = saved["linked"] / "last.ckpt"
-    assert last.is_symlink() and ckpt.is_pipeline_checkpoint(last)
+    assert last.is_symlink() and is_pipeline_checkpoint(last)
     assert last.resolve() == (saved["linked"] / f"step={STEPS_PER_EPOCH}.ckpt").resolve()
     assert_resumed(results(saved["out"], "resume_link", 2), reference["straight"])
 
@@ -254,7 +257,7 @@ def test_consolidate_cli(saved, reference, work):
                 "optimizer_states", "pytorch-lightning_version"):
         assert key in checkpoint, key
     assert checkpoint["global_step"] == STEPS_PER_EPOCH and checkpoint["epoch"] == 0
-    assert ckpt.INFO_KEY not in checkpoint
+    assert INFO_KEY not in checkpoint
     trained = merged_state(results(saved["out"], "train", 2))
     assert list(checkpoint["state_dict"]) == list(reference["one_epoch"]["state_dict"])  # single-device order
     model = models.TinyLM.load_from_checkpoint(out_file)  # no strategy, no process group
@@ -288,7 +291,7 @@ def test_consolidate_help_and_errors(capsys, tmp_path):
 
 # -------------------------------------------------------------------------------------------- 6. load_from_checkpoint
 def test_load_from_checkpoint_on_a_directory(saved, tmp_path):
-    model = models.TinyLM.load_from_checkpoint(saved["manual"])  # consolidated in memory, weights only
+    model = lightning_pipe.load_from_checkpoint(models.TinyLM, saved["manual"])  # consolidated in memory
     trained = merged_state(results(saved["out"], "train", 2))
     state = model.state_dict()
     assert set(state) == set(trained) and all(torch.equal(state[k], v) for k, v in trained.items())
@@ -297,7 +300,7 @@ def test_load_from_checkpoint_on_a_directory(saved, tmp_path):
     half.mkdir()
     (half / ".metadata").write_bytes(b"")
     with pytest.raises(IsADirectoryError, match="not a complete lightning_pipe checkpoint"):
-        models.TinyLM.load_from_checkpoint(half)
+        lightning_pipe.load_from_checkpoint(models.TinyLM, half)
 
 
 # -------------------------------------------------------------------------------------------------------- 7. mismatch
@@ -318,7 +321,7 @@ def test_validate_from_a_weights_only_checkpoint(one_process, saved, reference):
     """``ModelCheckpoint(save_weights_only=True)`` directories: no optimizer entries, and `validate` loads them."""
     meta = torch.load(saved["weights"] / "meta.pt", weights_only=False)
     assert "lr_schedulers" not in meta and "optimizer_states" not in meta
-    stored = ckpt.dcp.FileSystemReader(saved["weights"]).read_metadata().state_dict_metadata
+    stored = _dcp.dcp.FileSystemReader(saved["weights"]).read_metadata().state_dict_metadata
     assert stored and all(k.startswith("state_dict.") for k in stored)
     validated = results(one_process, "validate", 1)[0]
     trained = merged_state(results(saved["out"], "train", 2))
@@ -340,9 +343,9 @@ def test_incomplete_directory_is_refused(tmp_path):
     half.mkdir()
     (half / "__0_0.distcp").write_bytes(b"")
     with pytest.raises(FileNotFoundError, match="not a complete lightning_pipe checkpoint"):
-        ckpt._resolve(half)
+        _files.resolve(half)
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        ckpt._resolve(tmp_path / "nothing.ckpt")
+        _files.resolve(tmp_path / "nothing.ckpt")
 
 
 # ---------------------------------------------------------------------------------------------------- 8. crash safety
@@ -358,8 +361,8 @@ def test_killed_save_keeps_previous_checkpoint(work, reference):
     names = sorted(p.name for p in crash_dir.iterdir())
     # only complete checkpoints under final names; the interrupted save is a temporary directory at most
     for name in names:
-        if not name.endswith(ckpt._TMP_SUFFIX):
-            assert ckpt.is_pipeline_checkpoint(crash_dir / name), (name, names)
+        if not name.endswith(TMP_SUFFIX):
+            assert is_pipeline_checkpoint(crash_dir / name), (name, names)
     assert {"epoch=0.ckpt", "epoch=1.ckpt", "last.ckpt"} <= set(names), names
     # last.ckpt is still the previous (epoch 0) checkpoint, whole: it consolidates and resumes exactly
     last = consolidated_checkpoint(crash_dir / "last.ckpt")
@@ -376,16 +379,16 @@ def test_commit_replaces_and_interrupted_replace_falls_back(saved, tmp_path):
     """The rename window of overwriting a checkpoint: the old one is moved aside and loading finds it."""
     target = tmp_path / "last.ckpt"
     shutil.copytree(saved["manual"], target)
-    new = tmp_path / ("last.ckpt" + ckpt._TMP_SUFFIX)
+    new = tmp_path / ("last.ckpt" + TMP_SUFFIX)
     shutil.copytree(saved["epoch0"], new)
     (new / "marker").write_text("new")
-    ckpt._commit(new, target)
+    _files.commit(new, target)
     assert (target / "marker").exists() and not new.exists()
-    assert not (tmp_path / ("last.ckpt" + ckpt._OLD_SUFFIX)).exists()
+    assert not (tmp_path / ("last.ckpt" + OLD_SUFFIX)).exists()
     # simulate a kill between moving the old one aside and renaming the new one into place
-    target.rename(tmp_path / ("last.ckpt" + ckpt._OLD_SUFFIX))
+    target.rename(tmp_path / ("last.ckpt" + OLD_SUFFIX))
     with pytest.warns(UserWarning, match="interrupted"):
-        assert ckpt._resolve(target) == tmp_path / ("last.ckpt" + ckpt._OLD_SUFFIX)
+        assert _files.resolve(target) == tmp_path / ("last.ckpt" + OLD_SUFFIX)
 
 
 def test_merge_order_follows_the_backbone():
@@ -393,34 +396,26 @@ def test_merge_order_follows_the_backbone():
         ["head_free", "backbone.0.weight", "backbone.2.weight", "backbone.2.bias", "tail"],
         ["head_free", "backbone.1.weight", "backbone.10.weight", "tail"],
     ]
-    assert _merge_order(ranks, "backbone.") == [
+    assert merge_order(ranks, "backbone.") == [
         "head_free", "backbone.0.weight", "backbone.1.weight", "backbone.2.weight", "backbone.2.bias",
         "backbone.10.weight", "tail",
     ]
 
 
 # --------------------------------------------------------------------------------------------------------- in-process
-class _OneRank:
-    """What `checkpoint.save`/`load` use of the strategy, for one process without a process group."""
+def _save_one_rank(model, optimizers, checkpoint, path) -> None:
+    """`_dcp.save` in one process without a process group."""
+    layout = {"bounds": [[0, 7]], "pipeline_parallel_size": 1, "data_parallel_size": 1, "stages_per_rank": 1,
+              "style": "loop", "backbone": "backbone"}
+    _dcp.save(checkpoint, path, module=model, optimizers=optimizers, layout=layout, backbone_prefix="backbone.",
+              is_global_zero=True, barrier=lambda name: None)
 
-    is_global_zero = True
-    global_rank = 0
-    data_parallel_size = 1
-    _backbone_path = "backbone"
 
-    def __init__(self, model, optimizers) -> None:
-        from types import SimpleNamespace
+def _load_one_rank(model, optimizers, path) -> dict:
+    from lightning.fabric.plugins import TorchCheckpointIO
 
-        from lightning.fabric.plugins import TorchCheckpointIO
-
-        self.lightning_module = model
-        self.optimizers = optimizers
-        self.layout = SimpleNamespace(bounds=[(0, 7)], pipeline_size=1, stages_per_rank=1, style="loop")
-        self.checkpoint_io = TorchCheckpointIO()
-        model._trainer = SimpleNamespace(state=SimpleNamespace(fn="fit"))
-
-    def barrier(self, name=None) -> None:
-        pass
+    return _dcp.load(path, module=model, optimizers=optimizers, fitting=True, weights_only=None,
+                     checkpoint_io=TorchCheckpointIO(), global_rank=0, backbone_prefix="backbone.")
 
 
 def test_optimizer_round_trip_before_and_after_the_first_step(tmp_path):
@@ -438,20 +433,20 @@ def test_optimizer_round_trip_before_and_after_the_first_step(tmp_path):
                 "global_step": 0, "hyper_parameters": dict(model.hparams)}
 
     model, opt = make(1)
-    ckpt.save(_OneRank(model, [opt]), lightning_dict(model), path)
+    _save_one_rank(model, [opt], lightning_dict(model), path)
     assert not opt.state, "saving initialised the optimizer state"
     other, other_opt = make(2)
     other_opt.param_groups[0]["lr"] = 123.0
-    ckpt.load(_OneRank(other, [other_opt]), path)
+    _load_one_rank(other, [other_opt], path)
     assert not other_opt.state and other_opt.param_groups[0]["lr"] == 0.01
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in other.state_dict().items())
 
     x, y = models.token_data(8)[:]
     torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
     opt.step()
-    ckpt.save(_OneRank(model, [opt]), lightning_dict(model), path)  # replaces the first save
+    _save_one_rank(model, [opt], lightning_dict(model), path)  # replaces the first save
     third, third_opt = make(3)
-    ckpt.load(_OneRank(third, [third_opt]), path)
+    _load_one_rank(third, [third_opt], path)
     want = opt.state_dict()
     got = third_opt.state_dict()
     assert want["param_groups"] == got["param_groups"]

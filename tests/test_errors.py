@@ -6,14 +6,13 @@ import time
 from pathlib import Path
 
 import lightning as L
+import models
 import pytest
 import torch
+from helpers import run_script
 from torch import nn
 
-import models
-from helpers import run_script
-from lightning_pipe import PipelineStrategy
-from lightning_pipe.backbone import BackboneCallError
+from lightning_pipe import BackboneCallError, PipelineStrategy
 
 HERE = Path(__file__).resolve().parent
 
@@ -32,7 +31,7 @@ class NoBackbone(models.TinyLM):
         self.layers = self.backbone
         del self.backbone
 
-    def forward(self, x):  # noqa: ANN001
+    def forward(self, x):
         return self.layers(x)
 
 
@@ -49,13 +48,13 @@ class Manual(models.TinyLM):
 
 
 class CallsTwice(models.TinyLM):
-    def training_step(self, batch, batch_idx):  # noqa: ANN001
+    def training_step(self, batch, batch_idx):
         x, y = batch
         return (self(x) + self(x)).mean()
 
 
 class NeverCalls(models.TinyLM):
-    def training_step(self, batch, batch_idx):  # noqa: ANN001
+    def training_step(self, batch, batch_idx):
         return torch.zeros((), requires_grad=True)
 
 
@@ -71,10 +70,13 @@ class FrozenOutside(models.TinyLM):
         (NoBackbone, {}, 8, AttributeError, r"no attribute `backbone`.*Sequential modules found: \['layers'"),
         (models.TinyLM, {"backbone": "model.body"}, 8, AttributeError, "no attribute `model`"),
         (NotSequential, {}, 8, TypeError, "must name an `nn.Sequential`.*ModuleList"),
-        (lambda: models.TinyLM(blocks=0), {"schedule": "ZBVZeroBubble", "balance": [1, 1]}, 8, ValueError, "add up to the 3 backbone modules"),
+        (lambda: models.TinyLM(blocks=0), {"schedule": "ZBVZeroBubble", "balance": [1, 1]}, 8, ValueError,
+         "add up to the 3 backbone modules"),
         (Manual, {}, 8, ValueError, "manual optimization.*not supported"),
-        (models.TinyLM, {"num_microbatches": 16}, 8, ValueError, "batch size is 8.*lower `num_microbatches` to at most 8"),
-        (models.TinyLM, {"pipeline_parallel_size": 2}, 8, ValueError, r"needs 2 \* 1 = 2 processes, but the Trainer runs 1"),
+        (models.TinyLM, {"num_microbatches": 16}, 8, ValueError,
+         "batch size is 8.*lower `num_microbatches` to at most 8"),
+        (models.TinyLM, {"pipeline_parallel_size": 2}, 8, ValueError,
+         r"needs 2 \* 1 = 2 processes, but the Trainer runs 1"),
         (CallsTwice, {"num_microbatches": 2}, 8, BackboneCallError, "called the pipelined backbone twice"),
         (NeverCalls, {}, 8, BackboneCallError, "without calling the pipelined backbone"),
     ],

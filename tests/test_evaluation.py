@@ -16,7 +16,6 @@ from typing import Any
 
 import pytest
 import torch
-
 from helpers import merged_state, run_script
 
 HERE = Path(__file__).resolve().parent
@@ -117,7 +116,7 @@ class Runs:
         assert proc.returncode == 0, proc.stdout[-8000:]
         self.ranks = [torch.load(self.out / f"rank{r}.pt", weights_only=False) for r in range(spec["devices"])]
         sys.path.insert(0, str(HERE))
-        import eval_job  # noqa: PLC0415
+        import eval_job
 
         eval_job.run({k: v for k, v in spec.items() if k not in ("devices", "strategy")}, self.ref_out)
         self.ref = torch.load(self.ref_out / "rank0.pt", weights_only=False)

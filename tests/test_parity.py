@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from helpers import assert_parity, reference, run_job
 
 BASE = {
@@ -19,7 +18,9 @@ CASES = {
         {"scheduler": "step"},
         {"gradient_clip_val": 0.05, "accumulate_grad_batches": 2},
     ),
-    "gpipe-uneven": (2, {"schedule": "GPipe", "num_microbatches": 2, "balance": [2, 5]}, {}, {"gradient_clip_val": 0.1}),
+    "gpipe-uneven": (
+        2, {"schedule": "GPipe", "num_microbatches": 2, "balance": [2, 5]}, {}, {"gradient_clip_val": 0.1}
+    ),
     "interleaved-epoch-lr": (
         2,
         {"schedule": "Interleaved1F1B", "num_microbatches": 4},
@@ -29,7 +30,9 @@ CASES = {
     "looped-bfs": (2, {"schedule": "LoopedBFS", "num_microbatches": 4}, {}, {"gradient_clip_val": 0.05}),
     "interleaved-zero-bubble": (2, {"schedule": "InterleavedZeroBubble", "num_microbatches": 4}, {}, {}),
     "zbv-zero-bubble": (2, {"schedule": "ZBVZeroBubble", "num_microbatches": 4}, {}, {"gradient_clip_val": 0.05}),
-    "dualpipev": (2, {"schedule": "DualPipeV", "num_microbatches": 4}, {"scheduler": "step"}, {"accumulate_grad_batches": 2}),
+    "dualpipev": (
+        2, {"schedule": "DualPipeV", "num_microbatches": 4}, {"scheduler": "step"}, {"accumulate_grad_batches": 2}
+    ),
     "1f1b-4-parameters": (
         4,
         {"num_microbatches": 4, "balance": "parameters"},

@@ -19,7 +19,7 @@ from lightning_pipe.plan import (
     search_plans,
     valid_num_microbatches,
 )
-from lightning_pipe.plan_cli import main
+from lightning_pipe.plan._cli import main
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -301,7 +301,7 @@ def test_cli_subprocess_prints_a_plan(tmp_path):
 
 
 def test_nominal_target_is_accepted_by_every_schedule():
-    from lightning_pipe.pipeline import SCHEDULE_NAMES
+    from lightning_pipe.schedules import SCHEDULE_NAMES
 
     for schedule in SCHEDULE_NAMES:
         multi = schedule not in ("1F1B", "GPipe")

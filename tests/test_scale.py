@@ -8,11 +8,11 @@ import socket
 import subprocess
 import sys
 
-import torch
-
 import models
+import torch
 from helpers import JOB, assert_parity, merged_state, reference, run_job
-from lightning_pipe.stage import materialize_backbone
+
+from lightning_pipe._stage import materialize_backbone
 
 
 def test_pipeline_times_data_parallel_equals_ddp(tmp_path):
@@ -22,7 +22,8 @@ def test_pipeline_times_data_parallel_equals_ddp(tmp_path):
         "model": {"scheduler": "step", "train_metric": True},
         "use_distributed_sampler": True,
     }
-    pp_dp = run_job({**spec, "devices": 4, "strategy": {"pipeline_parallel_size": 2, "num_microbatches": 2}}, tmp_path / "pp")
+    pp_strategy = {"pipeline_parallel_size": 2, "num_microbatches": 2}
+    pp_dp = run_job({**spec, "devices": 4, "strategy": pp_strategy}, tmp_path / "pp")
     ddp = run_job({**spec, "devices": 2, "strategy_name": "ddp"}, tmp_path / "ddp")
     for rank, result in enumerate(pp_dp):
         replica = rank // 2  # ranks (0, 1) are replica 0's pipeline, (2, 3) replica 1's
@@ -31,7 +32,8 @@ def test_pipeline_times_data_parallel_equals_ddp(tmp_path):
         expected = [s["train_loss"] for s in ddp[replica]["steps"]]
         assert max(abs(a - b) for a, b in zip(losses, expected)) < 1e-5, (rank, losses, expected)
         # the epoch sum is synced with sync_dist=True: over the 2 replicas, as under DDP
-        assert abs(result["callback_metrics"]["train_loss_epoch_sum"] - ddp[0]["callback_metrics"]["train_loss_epoch_sum"]) < 1e-4
+        epoch_sum = result["callback_metrics"]["train_loss_epoch_sum"]
+        assert abs(epoch_sum - ddp[0]["callback_metrics"]["train_loss_epoch_sum"]) < 1e-4
         # a torchmetrics accuracy: per step the replica's batch value, per epoch synced over every process
         accs = [s["train_acc_step"] for s in result["steps"]]
         assert max(abs(a - b) for a, b in zip(accs, [s["train_acc_step"] for s in ddp[replica]["steps"]])) < 1e-6

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch.distributed.pipelining.schedules as torch_schedules
-
 from helpers import HERE, run_script
+
 from lightning_pipe import timeline
 from lightning_pipe.timeline import (
     TimelineOptions,
@@ -40,7 +40,7 @@ STAGE_METHODS = (
 )
 
 
-def ev(rank, cat, stage, mb, start, end, name=None, **extra):  # noqa: ANN001, ANN201
+def ev(rank, cat, stage, mb, start, end, name=None, **extra):
     letter = {"forward": "F", "backward": "B", "loss": "L", "backward_input": "I", "backward_weight": "W"}
     if name is None:
         name = f"{letter[cat]}{mb} s{stage}" if cat in letter else cat
@@ -185,17 +185,17 @@ class FakeStage:
         self.is_last = is_last
         self.calls: list[tuple] = []
 
-    def forward_one_chunk(self, fwd_chunk_id, args, kwargs=None, save_forward_output=True):  # noqa: ANN001, ANN201
+    def forward_one_chunk(self, fwd_chunk_id, args, kwargs=None, save_forward_output=True):
         self.calls.append(("F", fwd_chunk_id))
         return "out"
 
-    def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):  # noqa: ANN
+    def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
         self.calls.append(("B" if full_backward else "I", bwd_chunk_id))
 
-    def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):  # noqa: ANN001, ANN201
+    def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
         self.calls.append(("W", bwd_chunk_id))
 
-    def get_fwd_recv_ops(self, fwd_chunk_id):  # noqa: ANN001, ANN201
+    def get_fwd_recv_ops(self, fwd_chunk_id):
         return []
 
     get_fwd_send_ops = get_bwd_recv_ops = get_bwd_send_ops = get_fwd_recv_ops
@@ -320,7 +320,7 @@ def test_traced_step_records_every_microbatch(schedule: str, stages_per_rank: in
 def test_module_has_no_wrappers_installed_at_import():
     assert torch_schedules._batch_p2p.__module__ == "torch.distributed.pipelining.schedules"
     assert torch_schedules._wait_batch_p2p.__module__ == "torch.distributed.pipelining.schedules"
-    assert timeline._tracing is False
+    assert timeline._recorder._tracing is False
 
 
 # ---------------------------------------------------------------------------------------------- through the Trainer

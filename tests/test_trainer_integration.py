@@ -5,8 +5,8 @@ from __future__ import annotations
 import csv
 
 import lightning as L
-
 from helpers import HERE, assert_parity, reference, run_job, run_script
+
 from lightning_pipe import PipelineStrategy
 
 
@@ -54,7 +54,8 @@ def test_training_step_metric_logs_each_batch_value(tmp_path):
 
 
 def test_distributed_sampler_gives_every_stage_the_ddp_order(tmp_path):
-    spec = {"data": {"n": 48, "batch_size": 8, "shuffle": True}, "trainer": {"max_epochs": 2}, "use_distributed_sampler": True}
+    spec = {"data": {"n": 48, "batch_size": 8, "shuffle": True}, "trainer": {"max_epochs": 2},
+            "use_distributed_sampler": True}
     pipelined = run_job({**spec, "devices": 2, "strategy": {"num_microbatches": 2}}, tmp_path / "pp")
     ddp = run_job({**spec, "devices": 1, "strategy_name": "ddp"}, tmp_path / "ddp")
     assert pipelined[0]["first_rows"] == pipelined[1]["first_rows"] == ddp[0]["first_rows"]
@@ -92,16 +93,18 @@ def test_lightning_cli_by_name_and_by_class_path(tmp_path):
 def test_registered_names_resolve_to_the_strategy():
     import lightning_pipe  # noqa: F401
 
-    for name, schedule in [("pipeline", "1F1B"), ("pipeline_gpipe", "GPipe"), ("pipeline_interleaved", "Interleaved1F1B")]:
+    names = [("pipeline", "1F1B"), ("pipeline_gpipe", "GPipe"), ("pipeline_interleaved", "Interleaved1F1B")]
+    for name, schedule in names:
         trainer = L.Trainer(accelerator="cpu", devices=1, strategy=name, logger=False)
         assert isinstance(trainer.strategy, PipelineStrategy)
-        assert trainer.strategy._schedule_name == schedule
+        assert trainer.strategy.schedule == schedule
     PipelineStrategy.register_strategies(__import__("lightning.pytorch.strategies", fromlist=["x"]).StrategyRegistry)
 
 
 def test_ragged_last_batch_trains_like_single_device(tmp_path):
     # 44 samples in batches of 8: the last batch has 4 rows, fewer than... and not divisible by 8 microbatches
-    spec = {"devices": 2, "strategy": {"num_microbatches": 8}, "data": {"n": 44, "batch_size": 8}, "trainer": {"max_epochs": 2}}
+    spec = {"devices": 2, "strategy": {"num_microbatches": 8}, "data": {"n": 44, "batch_size": 8},
+            "trainer": {"max_epochs": 2}}
     assert_parity(run_job(spec, tmp_path), reference(spec, tmp_path))
 
 

@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _load_timeline():
-    """``lightning_pipe.timeline`` (and ``lightning_pipe.timeline_report``, which it imports) without
+    """``lightning_pipe.timeline`` (its ``_recorder`` and ``_report``, and ``_compat``) without
     ``lightning_pipe/__init__`` (which imports Lightning, seconds per process); the modules only need torch."""
     package = types.ModuleType("lightning_pipe")
     package.__path__ = [str(ROOT / "lightning_pipe")]  # its submodules are found here; __init__.py is not run

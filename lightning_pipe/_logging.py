@@ -24,6 +24,9 @@ import torch.distributed as dist
 from lightning.pytorch import LightningModule
 from torchmetrics import Metric
 
+from lightning_pipe import _compat
+from lightning_pipe._metrics import module_metrics
+
 _LOG_SIGNATURE = inspect.signature(LightningModule.log)
 
 
@@ -47,11 +50,8 @@ class LogRecorder:
     @contextmanager
     def installed(self, module: LightningModule) -> Iterator["LogRecorder"]:
         """Route ``module.log`` (and so ``module.log_dict``) here for the duration of the block."""
-        module.log = self  # type: ignore[method-assign]
-        try:
+        with _compat.logging_routed_to(module, self):
             yield self
-        finally:
-            del module.log
 
     def reduce(
         self, module: LightningModule, metrics: Optional[list[tuple[str, Metric]]] = None
@@ -75,7 +75,8 @@ class LogRecorder:
                         f"`self.log({name!r}, metric)` under `PipelineStrategy` needs the metric to be an attribute of"
                         " the LightningModule, so every rank can log it."
                     )
-                entries.append((name, _MetricRef(metric_names[id(last)], last._forward_cache), options))
+                forward_cache = _compat.metric_bookkeeping(last)[1]
+                entries.append((name, _MetricRef(metric_names[id(last)], forward_cache), options))
                 continue
             entries.append((name, _weighted_mean(name, values, self.batch_sizes[name]), options))
         states = _MetricStates.of(metrics)
@@ -122,7 +123,7 @@ class _MetricStates:
         """From the module's ``(path, metric)`` pairs."""
         templates = []
         for path, metric in metrics:
-            for state in metric._defaults:
+            for state in _compat.metric_state_defaults(metric):
                 value = getattr(metric, state)
                 if isinstance(value, list) and value and isinstance(value[0], torch.Tensor):
                     templates.append((path, state, value[0].dtype, tuple(value[0].shape[1:])))
@@ -296,94 +297,11 @@ def replay(
         if isinstance(value, _MetricRef):
             metric = module.get_submodule(value.path)
             if value.forward_cache is not None:
-                metric._forward_cache = value.forward_cache.to(device)
+                count, _, computed = _compat.metric_bookkeeping(metric)
+                _compat.set_metric_bookkeeping(metric, count, value.forward_cache.to(device), computed)
             value = metric
         elif isinstance(value, torch.Tensor):
             value = value.to(device)
         if options.get("sync_dist") and options.get("sync_dist_group") is None:
             options = {**options, "sync_dist_group": replica_group}
         module.log(name, value, **options)
-
-
-def module_metrics(module: torch.nn.Module) -> list[tuple[str, Metric]]:
-    """``(path, metric)`` for every torchmetrics ``Metric`` under ``module``."""
-    return [(name, m) for name, m in module.named_modules() if isinstance(m, Metric)]
-
-
-# The helpers below reach into torchmetrics' private state (``_defaults``, ``_update_count``, ``_forward_cache``,
-# ``_computed``, ``_reduce_states``, ``_to_sync``, ``_should_unsync``) the way ``Metric.forward`` itself does in
-# ``_forward_reduce_state_update``; checked against torchmetrics 1.9, and the dependency is pinned below 2.
-
-
-@contextmanager
-def per_batch_metrics(metrics: list[tuple[str, Metric]], num_microbatches: int) -> Iterator[None]:
-    """Make the ``Metric`` calls of a training step's microbatches add up to one call on the whole batch.
-
-    Under ``training_step``, ``metric(preds, target)`` returns the value on its batch, which Lightning logs with
-    ``on_step=True``, and merges the batch into the epoch's state. The last stage runs the step once per
-    microbatch, so each call would see a microbatch. Here every metric starts the step from its default state, the
-    microbatch calls accumulate the batch's state, and afterwards the batch value is computed from it (without a
-    sync, as ``forward`` does) and the state from before the step is merged back in, counted as one update per call
-    on the whole batch. Metrics the step does not touch are put back as they were.
-    """
-    saved = [(metric, _stash(metric)) for _, metric in metrics]
-    yield
-    for metric, kept in saved:
-        calls = metric._update_count
-        if calls == 0:
-            _put_back(metric, kept)
-            continue
-        state, count, _, _ = kept
-        if metric._forward_cache is not None:
-            metric._forward_cache = _batch_value(metric)
-        metric._update_count = count + max(1, calls // num_microbatches)
-        with torch.no_grad():
-            metric._reduce_states(state)
-        metric._computed = None
-
-
-@contextmanager
-def metrics_set_aside(metrics: list[tuple[str, Metric]]) -> Iterator[None]:
-    """Run the block with every metric at its defaults, then put each back as it was (for a profiled step)."""
-    saved = [(metric, _stash(metric)) for _, metric in metrics]
-    try:
-        yield
-    finally:
-        for metric, kept in saved:
-            _put_back(metric, kept)
-
-
-_Stashed = tuple[dict[str, Any], int, Any, Any]
-
-
-def _stash(metric: Metric) -> _Stashed:
-    """Take the metric's state out (by reference: nothing is copied) and leave it at its defaults."""
-    state = {attr: getattr(metric, attr) for attr in metric._defaults}
-    kept = (state, metric._update_count, metric._forward_cache, metric._computed)
-    for attr, default in metric._defaults.items():
-        if isinstance(default, torch.Tensor):
-            setattr(metric, attr, default.detach().clone().to(state[attr].device))
-        else:
-            setattr(metric, attr, [])
-    metric._update_count, metric._forward_cache, metric._computed = 0, None, None
-    metric._cache, metric._is_synced = None, False
-    return kept
-
-
-def _put_back(metric: Metric, kept: _Stashed) -> None:
-    """Undo :func:`_stash`: whatever happened to the metric since, it is as it was."""
-    state, count, cache, computed = kept
-    for attr, value in state.items():
-        setattr(metric, attr, value)
-    metric._update_count, metric._forward_cache, metric._computed = count, cache, computed
-
-
-def _batch_value(metric: Metric) -> Any:
-    """``compute()`` on the metric's current (batch) state, without syncing, as ``Metric.forward`` computes it."""
-    metric._to_sync, metric._should_unsync, metric._computed = False, False, None
-    on_cpu, metric.compute_on_cpu = metric.compute_on_cpu, False
-    try:
-        return metric.compute()
-    finally:
-        metric._to_sync, metric._should_unsync, metric._computed = metric.sync_on_compute, True, None
-        metric.compute_on_cpu = on_cpu

@@ -35,7 +35,7 @@ def backbone_profile(
         example_input: a tensor with a leading batch dimension, the backbone's input.
         bytes_per_parameter: overrides the parameters' own element size (e.g. 2 for ``precision="bf16-true"``).
     """
-    from lightning_pipe.backbone import LocalBackbone, resolve_backbone
+    from lightning_pipe._backbone import LocalBackbone, resolve_backbone
 
     _, _, modules = resolve_backbone(lightning_module, backbone)
     if isinstance(modules, LocalBackbone):

@@ -1,16 +1,14 @@
 """What happens after a pipeline step is traced: gathering, summarising and drawing its events.
 
-:class:`~lightning_pipe.timeline.TimelineRecorder` records one rank's events: dicts (``rank, cat, name, stage, mb,
-start, end``, ``args`` for comm) with times in microseconds from a common origin (see :mod:`lightning_pipe.timeline`).
-:func:`gather_events` brings every rank's events to rank 0, which can write :func:`write_chrome_trace`
-(open in https://ui.perfetto.dev or chrome://tracing), :func:`write_png` (needs matplotlib) and
-:func:`summarize` (measured bubble fraction, busy time per rank and per stage). :func:`report` does all of it;
-:func:`timeline_metrics` flattens a summary for the loggers. :class:`TimelineOptions` is what
-``PipelineStrategy(timeline=...)`` traces and where it writes.
+The recorder (``_recorder``) records one rank's events: dicts (``rank, cat, name, stage, mb, start, end``, ``args``
+for comm) with times in microseconds from a common origin. :func:`gather_events` brings every rank's events to
+rank 0, which can write :func:`write_chrome_trace` (open in https://ui.perfetto.dev or chrome://tracing),
+:func:`write_png` (needs matplotlib) and :func:`summarize` (measured bubble fraction, busy time per rank and per
+stage). :func:`report` does all of it; :func:`timeline_metrics` flattens a summary for the loggers.
+:class:`TimelineOptions` is what ``PipelineStrategy(timeline=...)`` traces and where it writes.
 
 The event vocabulary the recorder shares (``Event``, :data:`COMPUTE_CATS`, the letters of the compute kinds) is
-defined here, so this module imports nothing from :mod:`lightning_pipe.timeline`, which re-exports its public names.
-It needs only torch (and matplotlib for the PNG).
+defined here, so this module imports nothing from the recorder. It needs only torch (and matplotlib for the PNG).
 """
 
 from __future__ import annotations
@@ -23,18 +21,6 @@ from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 import torch.distributed as dist
-
-__all__ = [
-    "COMPUTE_CATS",
-    "TimelineOptions",
-    "gather_events",
-    "ideal_bubble_fraction",
-    "report",
-    "summarize",
-    "timeline_metrics",
-    "write_chrome_trace",
-    "write_png",
-]
 
 #: Event categories that count as busy (compute) time. ``comm`` and ``step`` do not.
 COMPUTE_CATS = ("forward", "loss", "backward", "backward_input", "backward_weight")

@@ -15,11 +15,15 @@ from contextlib import contextmanager
 from typing import Any, Callable, Optional
 
 import torch
-from torch import nn
+from torch import Tensor, nn
+
+from lightning_pipe._logging import LogRecorder
 
 
 class BackboneCallError(RuntimeError):
     """The user's step called the pipelined backbone in a way the pipeline cannot run."""
+
+    __module__ = "lightning_pipe"  # its public home
 
 
 class _InputCaptured(Exception):
@@ -104,7 +108,9 @@ def _missing_backbone_message(module: nn.Module, path: str, missing: str) -> str
     )
 
 
-def capture_input(backbone: LocalBackbone, step: Callable[..., Any], *step_args: Any) -> tuple[tuple, dict]:
+def capture_input(
+    backbone: LocalBackbone, step: Callable[..., Any], *step_args: Any, **step_kwargs: Any
+) -> tuple[tuple, dict]:
     """Run ``step`` until it calls the backbone and return the call's ``(args, kwargs)``."""
 
     def handler(*args: Any, **kwargs: Any) -> Any:
@@ -112,7 +118,7 @@ def capture_input(backbone: LocalBackbone, step: Callable[..., Any], *step_args:
 
     with backbone.handled_by(handler):
         try:
-            step(*step_args)
+            step(*step_args, **step_kwargs)
         except _InputCaptured as captured:
             return captured.args, captured.kwargs
     raise BackboneCallError(
@@ -122,7 +128,9 @@ def capture_input(backbone: LocalBackbone, step: Callable[..., Any], *step_args:
     )
 
 
-def run_with_output(backbone: LocalBackbone, output: Any, step: Callable[..., Any], *step_args: Any) -> Any:
+def run_with_output(
+    backbone: LocalBackbone, output: Any, step: Callable[..., Any], *step_args: Any, **step_kwargs: Any
+) -> Any:
     """Run ``step`` with the backbone call answered by ``output``; the backbone must be called exactly once."""
     calls = 0
 
@@ -137,10 +145,37 @@ def run_with_output(backbone: LocalBackbone, output: Any, step: Callable[..., An
         return output
 
     with backbone.handled_by(handler):
-        result = step(*step_args)
+        result = step(*step_args, **step_kwargs)
     if calls == 0:
         raise BackboneCallError("The step did not call the pipelined backbone on the last stage.")
     return result
+
+
+def capture_inputs(
+    module: nn.Module, backbone: LocalBackbone, step: Callable[..., Any], *args: Any, **kwargs: Any
+) -> tuple[Tensor, ...]:
+    """The backbone input of this batch, found by running ``step`` up to the backbone call."""
+    with LogRecorder().installed(module):  # the last stage logs this part per microbatch
+        inputs, input_kwargs = capture_input(backbone, step, *args, **kwargs)
+    if input_kwargs or len(inputs) != 1 or not isinstance(inputs[0], Tensor):
+        raise BackboneCallError(
+            "The pipelined backbone is an `nn.Sequential` and must be called with exactly one tensor, batch"
+            f" dimension first; it was called with {len(inputs)} positional and {len(input_kwargs)} keyword"
+            " arguments."
+        )
+    batch_size_of(inputs, input_kwargs)
+    return inputs
+
+
+def loss_of(result: Any) -> Tensor:
+    """The loss in what ``training_step`` returned."""
+    loss = result.get("loss") if isinstance(result, dict) else result
+    if not isinstance(loss, Tensor):
+        raise BackboneCallError(
+            "Under `PipelineStrategy`, `training_step` must return the loss tensor (or a dict with 'loss') for every"
+            f" microbatch; it returned {type(result).__name__}. Skipping a step by returning None is not supported."
+        )
+    return loss
 
 
 def batch_size_of(args: tuple, kwargs: dict) -> int:

@@ -2,7 +2,7 @@
 the ways to show and run it (``describe``, ``strategy_kwargs``, ``strategy_line``, ``yaml_snippet``), and the byte
 sizes the planner reads and prints (:func:`parse_bytes`, :func:`format_bytes`).
 
-:mod:`lightning_pipe.plan` finds the plans; this module only holds them.
+The search (``_search``) finds the plans; this module only holds them.
 """
 
 from __future__ import annotations
@@ -11,8 +11,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
-#: The schedules that run several stages per process (they take ``stages_per_rank``).
-_MULTI_STAGE = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+from lightning_pipe.schedules import schedule_spec
 
 
 @dataclass(frozen=True)
@@ -70,7 +69,7 @@ class Plan:
             "num_microbatches": self.num_microbatches,
             "schedule": self.schedule,
         }
-        if self.schedule in _MULTI_STAGE:
+        if schedule_spec(self.schedule).multi_stage:
             kwargs["stages_per_rank"] = self.stages_per_rank
         kwargs["balance"] = list(self.balance)
         return kwargs

@@ -2,7 +2,7 @@
 ``PipelineStrategy`` configuration for a LightningCLI config file.
 
 It builds the config's model (on the meta device when that works), measures its backbone with
-:func:`~lightning_pipe.plan_model.backbone_profile`, ranks the plans with :func:`~lightning_pipe.plan.search_plans`
+:func:`~lightning_pipe.plan.backbone_profile`, ranks the plans with :func:`~lightning_pipe.plan.search_plans`
 and prints the best ones, then the ``PipelineStrategy(...)`` call and the YAML lines that run the best. :func:`main`
 is the entry point; ``lightning_pipe/plan.py`` calls it when run as a script.
 """
@@ -15,9 +15,9 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Optional, Union
 
-from lightning_pipe.plan import PLANNED_SCHEDULES, search_plans
-from lightning_pipe.plan_model import backbone_profile
-from lightning_pipe.plan_result import Plan, format_bytes, parse_bytes
+from lightning_pipe.plan._model import backbone_profile
+from lightning_pipe.plan._result import Plan, format_bytes, parse_bytes
+from lightning_pipe.plan._search import PLANNED_SCHEDULES, search_plans
 
 if TYPE_CHECKING:
     from torch import nn

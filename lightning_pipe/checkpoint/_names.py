@@ -1,4 +1,4 @@
-"""Parameter names and optimizer state for layout-free checkpoints (used by :mod:`lightning_pipe.checkpoint`).
+"""Parameter names and optimizer state for layout-free checkpoints (used by ``_dcp`` and ``_consolidate``).
 
 A pipelined checkpoint keys everything by parameter name, so that it can be loaded onto any pipeline layout. This
 module holds that bookkeeping:
@@ -9,8 +9,7 @@ module holds that bookkeeping:
   hyper-parameters before the first step), restoring those hyper-parameters, and giving an optimizer its part of a
   single-device ``torch.optim`` state dict.
 
-:class:`CheckpointMismatchError` is defined here (raised by both modules) and exported by
-:mod:`lightning_pipe.checkpoint`.
+:class:`CheckpointMismatchError` is defined here and exported by :mod:`lightning_pipe.checkpoint`.
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-_OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 class CheckpointMismatchError(KeyError):
@@ -37,23 +36,19 @@ class CheckpointMismatchError(KeyError):
 
 
 # -------------------------------------------------------------------------------------------------------------- names
-def _backbone_prefix(strategy: Any) -> str:
-    return getattr(strategy, "_backbone_path", "backbone") + "."
-
-
-def _param_names(model: nn.Module) -> dict[int, str]:
+def param_names(model: nn.Module) -> dict[int, str]:
     names: dict[int, str] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(param), name)
     return names
 
 
-def _group_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
-    names = _param_names(model)
+def group_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
+    names = param_names(model)
     return [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
 
 
-def _merge_order(lists: list[list[str]], prefix: str) -> list[str]:
+def merge_order(lists: list[list[str]], prefix: str) -> list[str]:
     """The full model's order of names, from every rank's local order (each a subsequence of it).
 
     Names under the backbone go by backbone module index (each module lives on one stage, in its local order);
@@ -75,15 +70,15 @@ def _merge_order(lists: list[list[str]], prefix: str) -> list[str]:
     return sorted(keys, key=keys.__getitem__)
 
 
-def _merge_groups(per_rank: list[list[list[str]]], prefix: str) -> list[list[str]]:
+def merge_groups(per_rank: list[list[list[str]]], prefix: str) -> list[list[str]]:
     """Merge every rank's parameter groups of one optimizer (same group count on every rank)."""
     counts = {len(groups) for groups in per_rank}
     if len(counts) != 1:
         raise RuntimeError(f"The ranks' optimizers have different numbers of parameter groups: {sorted(counts)}.")
-    return [_merge_order([groups[g] for groups in per_rank], prefix) for g in range(counts.pop())]
+    return [merge_order([groups[g] for groups in per_rank], prefix) for g in range(counts.pop())]
 
 
-def _all_gather(obj: Any) -> list[Any]:
+def all_gather(obj: Any) -> list[Any]:
     if not (dist.is_available() and dist.is_initialized()):
         return [obj]
     out: list[Any] = [None] * dist.get_world_size()
@@ -92,17 +87,17 @@ def _all_gather(obj: Any) -> list[Any]:
 
 
 # ---------------------------------------------------------------------------------------------------- optimizer state
-def _optimizer_state_for_save(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def optimizer_state_for_save(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     if not optimizer.state and all(p.grad is None for g in optimizer.param_groups for p in g["params"]):
         # Not stepped yet. `get_optimizer_state_dict` would initialise the state with a zero-lr step (Adam's step
         # count would become 1 and change the run): save the hyper-parameters only.
-        return _flat_param_groups(model, optimizer)
-    return get_optimizer_state_dict(model, optimizer, options=_OPTIM_OPTIONS)
+        return flat_param_groups(model, optimizer)
+    return get_optimizer_state_dict(model, optimizer, options=OPTIM_OPTIONS)
 
 
-def _flat_param_groups(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def flat_param_groups(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """The ``param_groups.<name>.<key>`` entries of the flattened optimizer state dict."""
-    names = _param_names(model)
+    names = param_names(model)
     return {
         f"param_groups.{names[id(p)]}.{key}": value
         for group in optimizer.param_groups
@@ -112,8 +107,8 @@ def _flat_param_groups(model: nn.Module, optimizer: torch.optim.Optimizer) -> di
     }
 
 
-def _set_param_groups(model: nn.Module, optimizer: torch.optim.Optimizer, flat: dict[str, Any]) -> None:
-    names = _param_names(model)
+def set_param_groups(model: nn.Module, optimizer: torch.optim.Optimizer, flat: dict[str, Any]) -> None:
+    names = param_names(model)
     for group in optimizer.param_groups:
         if group["params"]:
             name = names[id(group["params"][0])]
@@ -122,7 +117,7 @@ def _set_param_groups(model: nn.Module, optimizer: torch.optim.Optimizer, flat: 
                     group[key] = flat[f"param_groups.{name}.{key}"]
 
 
-def _load_full_optimizer_state(
+def load_full_optimizer_state(
     model: nn.Module, optimizer: torch.optim.Optimizer, saved: dict[str, Any], groups: list[list[str]], path: Path
 ) -> None:
     """Give ``optimizer`` (this rank's parameters) its part of a single-device optimizer state dict.
@@ -142,14 +137,14 @@ def _load_full_optimizer_state(
     for saved_group, names in zip(saved_groups, groups):
         names = saved_group.get("param_names", names)
         number_of.update(zip(names, saved_group["params"]))
-    param_names = _param_names(model)
+    names_of = param_names(model)
     new_state: dict[int, Any] = {}
     new_groups = []
     counter = 0
     for group, saved_group in zip(optimizer.param_groups, saved_groups):
         numbers = []
         for param in group["params"]:
-            name = param_names[id(param)]
+            name = names_of[id(param)]
             if name not in number_of:
                 raise CheckpointMismatchError(f"The optimizer state in `{path}` has no entry for `{name}`.")
             entry = saved["state"].get(number_of[name])

@@ -10,6 +10,7 @@ ragged last batch gets its own correctly-shaped schedule instead of reusing stal
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from contextlib import nullcontext
 from itertools import chain
@@ -17,11 +18,10 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode  # private: the only fake-tensor entry point torch has
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import (
-    PipelineScheduleMulti,
     PipelineScheduleSingle,
     ScheduleGPipe,
     ScheduleLoopedBFS,
@@ -29,38 +29,14 @@ from torch.distributed.pipelining.schedules import (
 )
 from torch.func import functional_call
 
+from lightning_pipe import _compat
 from lightning_pipe.partition import StageLayout
+from lightning_pipe.schedules import ScheduleSpec
 from lightning_pipe.timeline import TimelineRecorder
 
-#: Schedules selectable by name. Each is torch's own class; see ``torch.distributed.pipelining.schedules``.
-SCHEDULE_NAMES = ("1F1B", "GPipe", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
-_V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
+log = logging.getLogger(__name__)
 
 _Meta = tuple[tuple[int, ...], torch.dtype]
-
-
-def resolve_schedule(name: str) -> tuple[str, type, bool]:
-    """Map a schedule name (case-insensitive) to ``(canonical_name, class, multi_stage)``."""
-    canonical = {n.lower(): n for n in SCHEDULE_NAMES}.get(str(name).lower())
-    if canonical is None:
-        raise ValueError(f"Unknown `schedule={name!r}`. Choose one of {list(SCHEDULE_NAMES)}.")
-    cls = get_schedule_class(canonical)
-    return canonical, cls, issubclass(cls, PipelineScheduleMulti)
-
-
-def placement_style(schedule_name: str) -> str:
-    """How the schedule expects virtual stages on ranks: ``"v"`` for ZBV/DualPipeV, ``"loop"`` otherwise."""
-    return "v" if schedule_name in _V_SCHEDULES else "loop"
-
-
-def microbatches_for(batch_size: int, num_microbatches: int) -> int:
-    """The microbatch count for a batch: ``num_microbatches`` when it divides the batch, else the largest divisor
-    of ``batch_size`` below it, so every microbatch has the same shape and the mean of microbatch means is the
-    full-batch mean."""
-    n = min(num_microbatches, batch_size)
-    while batch_size % n:
-        n -= 1
-    return n
 
 
 class StagePipeline:
@@ -69,7 +45,7 @@ class StagePipeline:
     Args:
         stage_modules: ``{stage_index: module}`` for the stages this rank runs.
         layout: the full stage layout, identical on every rank.
-        schedule_name: a name from :data:`SCHEDULE_NAMES`.
+        schedule: the schedule to run.
         num_microbatches: microbatches per full batch.
         group: the process group of this pipeline (one replica).
         device: the device the stages run on.
@@ -80,14 +56,15 @@ class StagePipeline:
         self,
         stage_modules: dict[int, nn.Module],
         layout: StageLayout,
-        schedule_name: str,
+        schedule: ScheduleSpec,
         num_microbatches: int,
         group: dist.ProcessGroup,
         device: torch.device,
         wrap: Optional[Callable[[nn.Module, int], nn.Module]] = None,
     ) -> None:
         self._wrap = wrap or (lambda module, stage: module)
-        self.schedule_name, self.schedule_class, self.multi_stage = resolve_schedule(schedule_name)
+        self.schedule = schedule
+        self.schedule_class = get_schedule_class(schedule.name)
         self.stage_modules = stage_modules
         self.layout = layout
         self.num_microbatches = num_microbatches
@@ -118,30 +95,22 @@ class StagePipeline:
         inputs: Sequence[torch.Tensor],
         num_microbatches: int,
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-        params: Sequence[nn.Parameter],
         timeline: Optional[TimelineRecorder] = None,
-    ) -> list[Optional[torch.Tensor]]:
-        """Forward and backward of one batch. Returns the new gradients of ``params`` and leaves ``p.grad`` as
-        it was, so the caller decides when to add them (after Lightning's ``zero_grad``). With ``timeline``, the
-        schedule's step is traced into it (:mod:`lightning_pipe.timeline`; a barrier over the pipeline group)."""
+    ) -> None:
+        """Forward and backward of one batch; gradients accumulate into ``.grad``. ``loss_fn(output, rows)`` gets
+        the last stage's output of a microbatch and the batch rows it holds. With ``timeline``, the schedule's step
+        is traced into it (:mod:`lightning_pipe.timeline`; a barrier over the pipeline group)."""
         schedule = self._schedule_for(inputs, num_microbatches, training=True)
         batch_size = int(inputs[0].shape[0])
         target = self._targets.get(batch_size)
         if target is None:
             target = self._targets[batch_size] = torch.arange(batch_size, device=self.device)
-        previous = [p.grad for p in params]
-        for p in params:
-            p.grad = None
         self._loss_fn = loss_fn
         try:
             with timeline.trace(schedule) if timeline is not None else nullcontext():
                 schedule.step(*(inputs if self.has_first_stage else ()), target=target, return_outputs=False)
         finally:
             self._loss_fn = None
-            new_grads = [p.grad for p in params]
-            for p, grad in zip(params, previous):
-                p.grad = grad
-        return new_grads
 
     def eval_step(self, inputs: Sequence[torch.Tensor], num_microbatches: int) -> Optional[torch.Tensor]:
         """Forward-only pass of one batch. Returns the merged backbone output on the last stage, else ``None``."""
@@ -163,6 +132,10 @@ class StagePipeline:
             metas = self._stage_metas(first_meta, training)
             schedule = self._make_schedule(self._make_stages(metas, training), num_microbatches, training)
             self._schedules[key] = schedule
+            log.debug(
+                "pipeline rank %d: new %s schedule for %d microbatches of shape %s (stage shapes %s)",
+                self.pipeline_rank, "training" if training else "evaluation", num_microbatches, first_meta, metas,
+            )
         return schedule
 
     def _make_stages(self, metas: Optional[dict[int, tuple]], training: bool = True) -> list[PipelineStage]:
@@ -177,25 +150,31 @@ class StagePipeline:
                     "output_args": tuple(_meta_tensor(m, requires_grad=training) for m in outputs),
                 }
             runtime = self._wrap(module, index)
-            stages.append(PipelineStage(runtime, index, self.layout.num_stages, self.device, group=self.group, **kwargs))
+            num_stages = self.layout.num_stages
+            stages.append(PipelineStage(runtime, index, num_stages, self.device, group=self.group, **kwargs))
         return stages
 
     def _make_schedule(self, stages: list[PipelineStage], num_microbatches: int, training: bool) -> Any:
         loss_fn = self._loss if training else None
-        cls = self.schedule_class
+        multi = self.schedule.multi_stage
         try:
-            return _construct(cls, stages, num_microbatches, loss_fn, self.multi_stage)
+            return _construct(self.schedule_class, stages, num_microbatches, loss_fn, multi)
         except ValueError as err:
-            if num_microbatches == self.num_microbatches or self.schedule_name in _V_SCHEDULES:
+            if num_microbatches == self.num_microbatches or self.schedule.placement == "v":
                 raise ValueError(
-                    f"`PipelineStrategy(schedule={self.schedule_name!r}, num_microbatches={num_microbatches})` is"
+                    f"`PipelineStrategy(schedule={self.schedule.name!r}, num_microbatches={num_microbatches})` is"
                     f" not valid for {self.layout.num_stages} stages over {self.layout.pipeline_size} processes: {err}"
                     " Raise `num_microbatches` (many schedules need at least one per stage), or pick another schedule."
                 ) from err
             # A ragged batch with fewer microbatches than the schedule needs runs through the all-forward,
             # all-backward order, which accepts any count; the arithmetic is the same.
-            fallback = ScheduleLoopedBFS if self.multi_stage else ScheduleGPipe
-            return _construct(fallback, stages, num_microbatches, loss_fn, self.multi_stage)
+            fallback = ScheduleLoopedBFS if multi else ScheduleGPipe
+            rank_zero_info(
+                f"PipelineStrategy: a batch split into {num_microbatches} microbatches is too small for"
+                f" {self.schedule.name} ({err}); it runs with {fallback.__name__}, which gives the same result."
+            )
+            log.debug("pipeline rank %d: falling back to %s: %s", self.pipeline_rank, fallback.__name__, err)
+            return _construct(fallback, stages, num_microbatches, loss_fn, multi)
 
     def _stage_metas(self, first_inputs: tuple[_Meta, ...], training: bool) -> dict[int, tuple]:
         """Input and output shapes of every local stage for one microbatch.
@@ -236,10 +215,12 @@ def _meta_tensor(meta: _Meta, requires_grad: bool) -> torch.Tensor:
 def _infer_outputs(module: nn.Module, inputs: tuple[_Meta, ...], device: torch.device, stage: int) -> tuple[_Meta, ...]:
     """Output shapes of ``module`` for inputs of the given shapes, computed on fake tensors: no real compute,
     and parameters and buffers (BatchNorm statistics) are not touched."""
-    with torch.inference_mode(False), FakeTensorMode(allow_non_fake_inputs=True) as mode:
+    with torch.inference_mode(False), _compat.fake_tensor_mode(allow_non_fake_inputs=True) as mode:
         state = {
             name: mode.from_tensor(t)
-            for name, t in chain(module.named_parameters(remove_duplicate=False), module.named_buffers(remove_duplicate=False))
+            for name, t in chain(
+                module.named_parameters(remove_duplicate=False), module.named_buffers(remove_duplicate=False)
+            )
         }
         args = tuple(torch.empty(shape, dtype=dtype, device=device) for shape, dtype in inputs)
         output = functional_call(module, state, args, tie_weights=False)

@@ -32,8 +32,9 @@ to that precision. On an accelerator the device is synchronised around every com
 so that host timestamps bracket the device work (this removes compute/communication overlap on that step).
 
 What happens after the step, gathering every rank's events to rank 0, :func:`summarize` (the measured bubble),
-:func:`write_chrome_trace`, :func:`write_png` and :func:`report`, is in :mod:`lightning_pipe.timeline_report`, as is
-:class:`TimelineOptions` (what ``PipelineStrategy(timeline=...)`` traces); their public names are re-exported here.
+:func:`write_chrome_trace`, :func:`write_png` and :func:`report`, is in ``_report``, as is :class:`TimelineOptions`
+(what ``PipelineStrategy(timeline=...)`` traces). The torch private names the recorder wraps are listed in
+``lightning_pipe._compat``.
 """
 
 from __future__ import annotations
@@ -46,69 +47,8 @@ from typing import Any, Callable, Optional, Union
 import torch
 import torch.distributed as dist
 
-from lightning_pipe.timeline_report import (
-    _LETTER,
-    COMPUTE_CATS,
-    Event,
-    TimelineOptions,
-    gather_events,
-    ideal_bubble_fraction,
-    report,
-    summarize,
-    timeline_metrics,
-    write_chrome_trace,
-    write_png,
-)
-
-__all__ = [
-    "COMPUTE_CATS",
-    "TimelineOptions",
-    "TimelineRecorder",
-    "gather_events",
-    "ideal_bubble_fraction",
-    "report",
-    "summarize",
-    "timeline_metrics",
-    "write_chrome_trace",
-    "write_png",
-]
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# torch private names. EVERY private name of torch this module touches is here (checked against torch 2.13):
-#   * ``torch.distributed.pipelining.schedules._batch_p2p(ops, desc=None) -> list[Work]`` posts a batch of P2POps;
-#     ``_sorted_batch_p2p`` (GPipe) calls it once per peer through the module global, so wrapping ``_batch_p2p``
-#     covers Schedule1F1B, ScheduleGPipe, PipelineScheduleMulti and _PipelineScheduleRuntime (Interleaved1F1B,
-#     LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV) alike.
-#   * ``..._wait_batch_p2p(works)`` waits for them; every schedule waits through it.
-#   * a single-stage schedule keeps its stage in ``_stage``, a multi-stage one in ``_stages``.
-#   * ``_PipelineSchedule._maybe_compute_loss(stage, output, target_mbs, mb_index, loss_kwargs=None)`` runs the
-#     loss after each forward of the last stage, and ``_loss_fn`` is the loss function (None: no loss).
-# The public stage methods wrapped are ``forward_one_chunk``, ``backward_one_chunk``, ``backward_weight_one_chunk``
-# and the op getters ``get_{fwd,bwd}_{send,recv}_ops``. If a torch release renames any of these, tracing records
-# fewer events (a helper that is missing is skipped) but training is unaffected.
-import torch.distributed.pipelining.schedules as _torch_schedules  # noqa: E402
-
-_P2P_POST = "_batch_p2p"
-_P2P_WAIT = "_wait_batch_p2p"
-_LOSS_METHOD = "_maybe_compute_loss"
-
-
-def _schedule_stages(schedule: Any) -> Optional[list[Any]]:
-    """The stages of a torch schedule object, or None if ``schedule`` is not one."""
-    if hasattr(schedule, "_stages"):
-        return list(schedule._stages)
-    if hasattr(schedule, "_stage"):
-        return [schedule._stage]
-    return None
-
-
-def _schedule_has_loss(schedule: Any) -> bool:
-    return getattr(schedule, "_loss_fn", None) is not None
-
-
-# ----------------------------------------------------------------------------------------------------------------
-
+from lightning_pipe import _compat
+from lightning_pipe.timeline._report import _LETTER, Event
 
 _STAGE_OPS = {  # getter -> (direction, payload)
     "get_fwd_recv_ops": ("recv", "act"),
@@ -152,8 +92,6 @@ class TimelineRecorder:
         group: the pipeline's process group (``None``: the default group). The barrier that aligns the clocks runs
             on it, and event ranks are ranks in it.
         device: the device the stages run on; on an accelerator it is synchronised around each event.
-        barrier: align the clocks with a barrier before the step (default). Without it each rank's origin is simply
-            the moment its step starts.
 
     After ``with recorder.trace(...)``, :attr:`events` holds this rank's events sorted by start time.
     """
@@ -162,11 +100,9 @@ class TimelineRecorder:
         self,
         group: Optional[dist.ProcessGroup] = None,
         device: Optional[Union[str, torch.device]] = None,
-        barrier: bool = True,
     ) -> None:
         self.group = group
         self.device = device
-        self.barrier = barrier
         self.events: list[Event] = []
         self.rank = 0
         self._origin = 0
@@ -182,7 +118,7 @@ class TimelineRecorder:
         global _tracing
         if _tracing:
             raise RuntimeError("A pipeline timeline is already being traced in this process; trace one step at a time.")
-        stages = _schedule_stages(target)
+        stages = _compat.schedule_stages(target)
         schedule = target if stages is not None else None
         if stages is None:
             stages = list(target) if isinstance(target, (list, tuple)) else [target]
@@ -211,11 +147,12 @@ class TimelineRecorder:
                 install(stage, "backward_weight_one_chunk", lambda f, s=index: self._wrap_weight(f, s))
                 for getter, (direction, payload) in _STAGE_OPS.items():
                     install(stage, getter, lambda f, s=index, d=direction, p=payload: self._wrap_getter(f, s, d, p))
-            if schedule is not None and _schedule_has_loss(schedule):
-                install(schedule, _LOSS_METHOD, self._wrap_loss)
-            install(_torch_schedules, _P2P_POST, self._wrap_post)
-            install(_torch_schedules, _P2P_WAIT, self._wrap_wait)
-            if distributed and self.barrier:
+            if schedule is not None and _compat.schedule_has_loss(schedule):
+                install(schedule, _compat.SCHEDULE_LOSS_METHOD, self._wrap_loss)
+            torch_schedules = _compat.torch_schedules_module()
+            install(torch_schedules, _compat.P2P_POST, self._wrap_post)
+            install(torch_schedules, _compat.P2P_WAIT, self._wrap_wait)
+            if distributed:
                 _barrier(self.group, self.device)
             self._origin = time.perf_counter_ns()
             try:

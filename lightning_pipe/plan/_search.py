@@ -1,72 +1,28 @@
-"""A planner for :class:`~lightning_pipe.PipelineStrategy`: which pipeline size, schedule, microbatch count and
-stage split to use for a backbone on a given number of devices.
+"""The planner's search: every candidate plan of pipeline size, schedule, microbatch count and stage split, ranked
+by the cost model described in :mod:`lightning_pipe.plan` (and ``docs/planner.md``).
 
-The cost model and the search are pure Python (no ``torch.distributed``, no processes): they take a cost per
-backbone module and, optionally, its parameter and activation bytes, and rank every candidate plan by predicted
-step time among those that fit a per-device memory budget. :func:`plan_for_module` measures those numbers on a
-``LightningModule`` (on the meta device when it was built there), and ``python -m lightning_pipe.plan --config
-cfg.yaml`` does the same for a LightningCLI config file. :func:`default_num_microbatches` is the rule behind
-``PipelineStrategy(num_microbatches="auto")``. The model, its formulas and its assumptions are in
-``docs/planner.md``.
-
-This module holds the search. The rest of the planner lives in :mod:`lightning_pipe.plan_auto` (the ``"auto"``
-rule), :mod:`lightning_pipe.plan_result` (:class:`Plan`, byte sizes), :mod:`lightning_pipe.plan_model` (measuring
-a module) and :mod:`lightning_pipe.plan_cli` (the command line); their public names but the CLI's ``main`` are
-importable from here too.
-
-Cost model, for ``p`` processes per pipeline, ``v`` stages per process (``S = p * v`` stages), ``m`` microbatches
-of a per-replica batch ``b`` (global batch ``B = b * data_parallel_size``):
-
-* step time ``T = (v*m + p - 1) * (c_max * b / m + o)``: ``c_max`` is the slowest stage's cost per sample, ``o``
-  a fixed overhead per microbatch and stage (``microbatch_overhead`` times the ideal step time
-  ``sum(costs) * B / devices``), so that ever more microbatches are not free;
-* bubble ``(p - 1) / (v*m + p - 1)``: the idle fraction of the step;
-* memory of a process: its parameter bytes times ``1 + optimizer_multiplier`` (gradients and optimizer state;
-  3 for Adam) plus the activations of the microbatches in flight: ``min(m, p - r)`` on pipeline rank ``r`` for
-  1F1B, ``m`` for GPipe, and torch's warm-up count for Interleaved1F1B.
+The rest of the planner: ``_result`` (:class:`Plan`, byte sizes), ``_model`` (measuring a module) and ``_cli`` (the
+command line); the ``"auto"`` microbatch rule is the strategy's own (``lightning_pipe._microbatches``).
 """
 
 from __future__ import annotations
 
 import math
-import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Optional, Union
 
+from lightning_pipe._microbatches import check_positive, divisors, valid_num_microbatches
 from lightning_pipe.partition import split_sizes
-from lightning_pipe.plan_auto import (
-    TARGET_BUBBLE,
-    _check_positive,
-    _divisors,
-    default_num_microbatches,
-    microbatch_target,
-    valid_num_microbatches,
-)
-from lightning_pipe.plan_model import backbone_profile, measure_activation_bytes
-from lightning_pipe.plan_result import _MULTI_STAGE, Plan, format_bytes, parse_bytes
+from lightning_pipe.plan._model import backbone_profile
+from lightning_pipe.plan._result import Plan, format_bytes
+from lightning_pipe.schedules import SCHEDULES
 
 if TYPE_CHECKING:
     from torch import nn
 
-__all__ = [
-    "PLANNED_SCHEDULES",
-    "Plan",
-    "TARGET_BUBBLE",
-    "backbone_profile",
-    "default_num_microbatches",
-    "format_bytes",
-    "measure_activation_bytes",
-    "microbatch_target",
-    "parse_bytes",
-    "plan_for_module",
-    "plan_pipeline",
-    "search_plans",
-    "valid_num_microbatches",
-]
-
 #: The schedules the cost model knows (the ones whose timing and memory it models).
-PLANNED_SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B")
-_SCHEDULE_ORDER = {"1F1B": 0, "Interleaved1F1B": 1, "GPipe": 2}
+PLANNED_SCHEDULES = tuple(name for name, spec in SCHEDULES.items() if spec.planned)
+_SCHEDULE_ORDER = {"1F1B": 0, "Interleaved1F1B": 1, "GPipe": 2}  # ties in predicted time and memory go to the first
 
 
 # ---------------------------------------------------------------------------------------------- the search
@@ -164,9 +120,9 @@ def _all_plans(
         raise ValueError(f"Module costs must be non-negative numbers, got {costs}.")
     if sum(costs) == 0:
         costs = [1.0] * n  # nothing to tell modules apart: treat them as equal
-    _check_positive("global_batch_size", global_batch_size)
-    _check_positive("devices", devices)
-    _check_positive("interleaved_stages_per_rank", interleaved_stages_per_rank)
+    check_positive("global_batch_size", global_batch_size)
+    check_positive("devices", devices)
+    check_positive("interleaved_stages_per_rank", interleaved_stages_per_rank)
     for name, values in (("param_bytes", param_bytes), ("activation_bytes", activation_bytes)):
         if values is not None and len(values) != n:
             raise ValueError(f"`{name}` has {len(values)} entries but there are {n} module costs.")
@@ -179,11 +135,11 @@ def _all_plans(
     if memory_budget is not None and not measured:
         raise ValueError("A `memory_budget` needs `param_bytes` and/or `activation_bytes` to check plans against.")
     if pipeline_parallel_size is not None:
-        _check_positive("pipeline_parallel_size", pipeline_parallel_size)
+        check_positive("pipeline_parallel_size", pipeline_parallel_size)
         if devices % pipeline_parallel_size:
             raise ValueError(
                 f"`pipeline_parallel_size={pipeline_parallel_size}` does not divide the {devices} devices;"
-                f" choose one of {_divisors(devices)}."
+                f" choose one of {divisors(devices)}."
             )
     weights = [float(x) for x in param_bytes] if param_bytes is not None else [0.0] * n
     acts = [float(x) for x in activation_bytes] if activation_bytes is not None else [0.0] * n
@@ -192,7 +148,7 @@ def _all_plans(
     splits: dict[int, list[int]] = {}
     plans: list[Plan] = []
     skipped: list[str] = []
-    for p in _divisors(devices):
+    for p in divisors(devices):
         if pipeline_parallel_size is not None and p != pipeline_parallel_size:
             continue
         dp = devices // p
@@ -201,7 +157,7 @@ def _all_plans(
             continue
         b = global_batch_size // dp
         for schedule in schedules:
-            v = interleaved_stages_per_rank if schedule in _MULTI_STAGE else 1
+            v = interleaved_stages_per_rank if SCHEDULES[schedule].multi_stage else 1
             if p == 1 and schedule != "1F1B":
                 continue  # one stage: GPipe and interleaving only differ from 1F1B by keeping more in flight
             num_stages = p * v
@@ -216,7 +172,7 @@ def _all_plans(
             stage_weights = [sum(weights[a:z]) for a, z in bounds]
             stage_acts = [sum(acts[a:z]) for a, z in bounds]
             c_max = max(stage_cost)
-            for m in _divisors(b):
+            for m in divisors(b):
                 if not valid_num_microbatches(m, p, v, schedule):
                     continue
                 step = (v * m + p - 1) * (c_max * b / m + overhead)
@@ -350,9 +306,3 @@ def _bounds(sizes: Sequence[int]) -> list[tuple[int, int]]:
         bounds.append((start, start + size))
         start += size
     return bounds
-
-
-if __name__ == "__main__":
-    from lightning_pipe.plan_cli import main
-
-    sys.exit(main())

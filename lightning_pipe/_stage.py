@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 from torchmetrics import Metric
 
-from lightning_pipe.backbone import LocalBackbone
+from lightning_pipe._backbone import LocalBackbone
 
 Checkpointing = Union[bool, list[str], Callable[[nn.Module], bool]]
 

@@ -1,0 +1,214 @@
+"""Every use of a private name of Lightning, torch or torchmetrics, and every patch, in one place.
+
+Each entry says why no public route exists and which versions it was checked against. Elsewhere the package uses
+public APIs only. When a supported release moves one of these names, this module is the one to change (and the
+torch range in ``pyproject.toml``). Module-level imports are torch only: ``lightning_pipe.timeline`` imports this
+module without Lightning.
+
+Lightning (checked against 2.6.6):
+
+- ``lightning.fabric.utilities.distributed``: ``_init_dist_connection``,
+  ``_get_default_process_group_backend_for_device``, ``_sync_ddp_if_available``, ``_distributed_is_initialized``;
+  ``lightning.fabric.utilities.optimizer``: ``_optimizers_to_device``. Every Lightning strategy (DDP, FSDP,
+  ModelParallel) starts its process group and moves its optimizers with these helpers; there is no public
+  equivalent.
+- ``lightning.pytorch.strategies.launchers.subprocess_script._SubprocessScriptLauncher``: the launcher DDP uses to
+  start the other ranks (a strategy without a launcher runs rank 0 only); ``procs`` and ``kill`` end them after a
+  failure.
+- ``_EvaluationLoop``/``_FitLoop``/``_PredictionLoop._data_source``: the only handle on the user's loader of the
+  running stage (loader, datamodule or module hook) before the loop iterates it; ``balance="time"`` profiles its
+  first batch.
+- ``LightningModule._device_mesh``: what ``LightningModule.device_mesh`` returns; Lightning's ModelParallelStrategy
+  sets it the same way (:func:`set_device_mesh`).
+- ``Strategy._launcher``, ``_precision_plugin``, ``_layer_sync`` and the ``_configure_launcher`` hook: the protected
+  members every Lightning strategy subclass sets or reads (the launcher it starts, the precision plugin behind the
+  ``precision_plugin`` property, the plugin ``sync_batchnorm=True`` installs).
+- ``LightningModule.log`` is replaced by an instance attribute while a pipelined step runs on the last stage
+  (:func:`logging_routed_to`): Lightning has no hook to intercept ``self.log`` calls, and the step's logs must be
+  reduced over microbatches and replayed on every rank.
+
+torch (checked against 2.13.0):
+
+- ``torch._subclasses.fake_tensor.FakeTensorMode``: the only way to run a module on fake tensors, to infer stage
+  output shapes without computing.
+- ``torch.distributed.checkpoint.default_planner._EmptyStateDictLoadPlanner`` and
+  ``torch.distributed.checkpoint.state_dict_loader._load_state_dict``: read a DCP checkpoint into an empty state dict
+  in one process (consolidation); ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save`` does the same
+  through a file.
+- ``torch.distributed.pipelining.schedules._batch_p2p`` and ``_wait_batch_p2p`` (module globals every schedule
+  posts and waits for its transfers through), ``_PipelineSchedule._maybe_compute_loss``, ``_loss_fn``, and a
+  schedule's ``_stage``/``_stages``: wrapped for the duration of one traced step by ``timeline=`` (no hook exists
+  to observe a schedule's transfers and losses).
+
+torchmetrics (checked against 1.9; the dependency is pinned below 2):
+
+- ``Metric._defaults``, ``_update_count``, ``_forward_cache``, ``_computed``, ``_cache``, ``_is_synced``,
+  ``_to_sync``, ``_should_unsync``, ``_reduce_states``: the state handling ``Metric.forward`` does in
+  ``_forward_reduce_state_update``, which a training step split over microbatches has to do itself so that a metric
+  called once per microbatch logs the whole batch's value.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, Callable, Optional
+
+import torch
+
+# ---------------------------------------------------------------------------------------------------- Lightning
+
+
+def init_process_group(cluster_environment: Any, backend: str, timeout: Any, device: torch.device) -> None:
+    """Start the default process group the way Lightning's DDP strategy does."""
+    from lightning.fabric.utilities.distributed import _init_dist_connection
+
+    device_id = device if device.type != "cpu" else None
+    _init_dist_connection(cluster_environment, backend, timeout=timeout, device_id=device_id)
+
+
+def default_process_group_backend(device: torch.device) -> str:
+    from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device
+
+    return _get_default_process_group_backend_for_device(device)
+
+
+def distributed_is_initialized() -> bool:
+    from lightning.fabric.utilities.distributed import _distributed_is_initialized
+
+    return _distributed_is_initialized()
+
+
+def sync_ddp_if_available(tensor: torch.Tensor, group: Any, reduce_op: Any) -> torch.Tensor:
+    """Lightning's all-reduce of a logged value (``Strategy.reduce`` of DDP)."""
+    from lightning.fabric.utilities.distributed import _sync_ddp_if_available
+
+    return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+
+
+def optimizers_to_device(optimizers: Any, device: torch.device) -> None:
+    from lightning.fabric.utilities.optimizer import _optimizers_to_device
+
+    _optimizers_to_device(optimizers, device)
+
+
+def subprocess_launcher_class() -> type:
+    from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+
+    return _SubprocessScriptLauncher
+
+
+def set_device_mesh(module: Any, mesh: Any) -> None:
+    """Make ``module.device_mesh`` return ``mesh``."""
+    module._device_mesh = mesh
+
+
+def loop_dataloaders(loop: Any) -> Any:
+    """The user's loader(s) of a Lightning loop before it starts iterating."""
+    return loop._data_source.dataloader()
+
+
+@contextmanager
+def logging_routed_to(module: Any, log: Callable[..., None]) -> Iterator[None]:
+    """Route ``module.log`` (and so ``module.log_dict``) to ``log`` for the duration of the block."""
+    module.log = log
+    try:
+        yield
+    finally:
+        del module.log
+
+
+# ------------------------------------------------------------------------------------------------------- torch
+
+
+def fake_tensor_mode(**kwargs: Any) -> Any:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(**kwargs)
+
+
+def read_dcp_in_one_process(path: Any, keys: Optional[set[str]] = None) -> dict[str, Any]:
+    """Every entry of a DCP checkpoint (or those under ``keys``), read in this process alone (no process group)."""
+    import torch.distributed.checkpoint as dcp
+
+    state: dict[str, Any] = {}
+    try:
+        from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+        from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+    except ImportError:  # pragma: no cover - a torch without these private names: go through a file
+        import tempfile
+        from pathlib import Path
+
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        with tempfile.TemporaryDirectory() as tmp:
+            dcp_to_torch_save(path, Path(tmp) / "all.pt")
+            return torch.load(Path(tmp) / "all.pt", map_location="cpu", weights_only=True)
+    _load_state_dict(
+        state, storage_reader=dcp.FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(keys=keys), no_dist=True
+    )
+    return state
+
+
+#: ``torch.distributed.pipelining.schedules`` globals every schedule posts and waits for its transfers through.
+P2P_POST = "_batch_p2p"
+P2P_WAIT = "_wait_batch_p2p"
+#: The schedule method that runs the loss after each forward of the last stage.
+SCHEDULE_LOSS_METHOD = "_maybe_compute_loss"
+
+
+def torch_schedules_module() -> Any:
+    import torch.distributed.pipelining.schedules as schedules
+
+    return schedules
+
+
+def schedule_stages(schedule: Any) -> Optional[list[Any]]:
+    """The stages of a torch schedule object (``_stages``, or ``_stage`` for one), or None if it is not one."""
+    if hasattr(schedule, "_stages"):
+        return list(schedule._stages)
+    if hasattr(schedule, "_stage"):
+        return [schedule._stage]
+    return None
+
+
+def schedule_has_loss(schedule: Any) -> bool:
+    return getattr(schedule, "_loss_fn", None) is not None
+
+
+# ------------------------------------------------------------------------------------------------ torchmetrics
+
+
+def metric_state_defaults(metric: Any) -> dict[str, Any]:
+    """``{state name: default}`` of a torchmetrics ``Metric`` (``Metric._defaults``)."""
+    return metric._defaults
+
+
+def metric_bookkeeping(metric: Any) -> tuple[int, Any, Any]:
+    """``(update count, last forward's value, cached compute() result)``."""
+    return metric._update_count, metric._forward_cache, metric._computed
+
+
+def set_metric_bookkeeping(metric: Any, update_count: int, forward_cache: Any, computed: Any) -> None:
+    metric._update_count, metric._forward_cache, metric._computed = update_count, forward_cache, computed
+
+
+def reset_metric_sync_cache(metric: Any) -> None:
+    """Forget a cached synced state, as ``Metric.reset`` does."""
+    metric._cache, metric._is_synced = None, False
+
+
+def merge_metric_state(metric: Any, state: dict[str, Any]) -> None:
+    """Merge ``state`` (the metric's earlier state) into its current one with its own reductions."""
+    metric._reduce_states(state)
+
+
+def compute_without_sync(metric: Any) -> Any:
+    """``compute()`` on the metric's current state, without syncing across processes, as ``Metric.forward`` does."""
+    metric._to_sync, metric._should_unsync, metric._computed = False, False, None
+    on_cpu, metric.compute_on_cpu = metric.compute_on_cpu, False
+    try:
+        return metric.compute()
+    finally:
+        metric._to_sync, metric._should_unsync, metric._computed = metric.sync_on_compute, True, None
+        metric.compute_on_cpu = on_cpu

@@ -1,0 +1,91 @@
+"""torchmetrics in a pipelined step: finding a module's metrics, and making the calls of a training step split into
+microbatches add up to one call on the whole batch.
+
+The state handling mirrors ``Metric.forward``'s own; the private torchmetrics names it needs are reached through
+``lightning_pipe._compat``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torchmetrics import Metric
+
+from lightning_pipe import _compat
+
+
+def module_metrics(module: torch.nn.Module) -> list[tuple[str, Metric]]:
+    """``(path, metric)`` for every torchmetrics ``Metric`` under ``module``."""
+    return [(name, m) for name, m in module.named_modules() if isinstance(m, Metric)]
+
+
+@contextmanager
+def per_batch_metrics(metrics: list[tuple[str, Metric]], num_microbatches: int) -> Iterator[None]:
+    """Make the ``Metric`` calls of a training step's microbatches add up to one call on the whole batch.
+
+    Under ``training_step``, ``metric(preds, target)`` returns the value on its batch, which Lightning logs with
+    ``on_step=True``, and merges the batch into the epoch's state. The last stage runs the step once per
+    microbatch, so each call would see a microbatch. Here every metric starts the step from its default state, the
+    microbatch calls accumulate the batch's state, and afterwards the batch value is computed from it (without a
+    sync, as ``forward`` does) and the state from before the step is merged back in, counted as one update per call
+    on the whole batch. Metrics the step does not touch are put back as they were, and so is every metric when the
+    step raises.
+    """
+    saved = [(metric, _stash(metric)) for _, metric in metrics]
+    try:
+        yield
+    except BaseException:
+        for metric, kept in saved:
+            _put_back(metric, kept)
+        raise
+    for metric, kept in saved:
+        calls, forward_cache, _ = _compat.metric_bookkeeping(metric)
+        if calls == 0:
+            _put_back(metric, kept)
+            continue
+        state, count, _, _ = kept
+        if forward_cache is not None:
+            forward_cache = _compat.compute_without_sync(metric)
+        _compat.set_metric_bookkeeping(metric, count + max(1, calls // num_microbatches), forward_cache, None)
+        with torch.no_grad():
+            _compat.merge_metric_state(metric, state)
+
+
+@contextmanager
+def metrics_set_aside(metrics: list[tuple[str, Metric]]) -> Iterator[None]:
+    """Run the block with every metric at its defaults, then put each back as it was (for a profiled step)."""
+    saved = [(metric, _stash(metric)) for _, metric in metrics]
+    try:
+        yield
+    finally:
+        for metric, kept in saved:
+            _put_back(metric, kept)
+
+
+_Stashed = tuple[dict[str, Any], int, Any, Any]
+
+
+def _stash(metric: Metric) -> _Stashed:
+    """Take the metric's state out (by reference: nothing is copied) and leave it at its defaults."""
+    defaults = _compat.metric_state_defaults(metric)
+    state = {attr: getattr(metric, attr) for attr in defaults}
+    kept = (state, *_compat.metric_bookkeeping(metric))
+    for attr, default in defaults.items():
+        if isinstance(default, torch.Tensor):
+            setattr(metric, attr, default.detach().clone().to(state[attr].device))
+        else:
+            setattr(metric, attr, [])
+    _compat.set_metric_bookkeeping(metric, 0, None, None)
+    _compat.reset_metric_sync_cache(metric)
+    return kept
+
+
+def _put_back(metric: Metric, kept: _Stashed) -> None:
+    """Undo :func:`_stash`: whatever happened to the metric since, it is as it was."""
+    state, count, cache, computed = kept
+    for attr, value in state.items():
+        setattr(metric, attr, value)
+    _compat.set_metric_bookkeeping(metric, count, cache, computed)

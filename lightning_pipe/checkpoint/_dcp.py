@@ -1,0 +1,267 @@
+"""Saving and loading pipelined checkpoints with ``torch.distributed.checkpoint`` (DCP).
+
+The directory layout and the safe replacement of a directory are in ``_files``; the bookkeeping of parameter names
+and optimizer state that makes a checkpoint loadable onto any pipeline layout is in ``_names``.
+
+Loading accepts a checkpoint directory saved with any pipeline layout (another pipeline size, balance or
+schedule) or an ordinary single-file Lightning checkpoint; every rank takes its stages' slice.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+from lightning_pipe.checkpoint._files import (
+    FORMAT_VERSION,
+    INFO_KEY,
+    TMP_SUFFIX,
+    commit,
+    layout_of,
+    read_meta,
+    remove,
+    resolve,
+    sibling,
+    write_meta,
+)
+from lightning_pipe.checkpoint._names import (
+    OPTIM_OPTIONS,
+    CheckpointMismatchError,
+    all_gather,
+    flat_param_groups,
+    group_names,
+    load_full_optimizer_state,
+    merge_groups,
+    merge_order,
+    optimizer_state_for_save,
+    set_param_groups,
+)
+
+log = logging.getLogger(__name__)
+
+
+# ------------------------------------------------------------------------------------------------------------- saving
+def save(
+    checkpoint: dict[str, Any],
+    filepath: Any,
+    *,
+    module: nn.Module,
+    optimizers: list[torch.optim.Optimizer],
+    layout: dict[str, Any],
+    backbone_prefix: str,
+    is_global_zero: bool,
+    barrier: Callable[[str], None],
+) -> None:
+    """Write ``checkpoint`` (Lightning's dict) to the directory ``filepath``; called on every rank with the same path.
+
+    Args:
+        module: the split LightningModule (its ``state_dict`` holds this rank's stages).
+        optimizers: this rank's optimizers.
+        layout: the pipeline layout to store (see ``_files.layout_of``).
+        backbone_prefix: the backbone's attribute path and a dot, e.g. ``"backbone."``.
+        is_global_zero: this rank writes ``meta.pt`` and commits the directory.
+        barrier: a barrier over all ranks.
+    """
+    path = Path(filepath)
+    tmp = sibling(path, TMP_SUFFIX)
+    if is_global_zero:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if tmp.exists() or tmp.is_symlink():
+            remove(tmp)  # left by a save that was killed
+    barrier("lightning_pipe.save.start")
+    checkpoint = dict(checkpoint)
+    # `ModelCheckpoint(save_weights_only=True)` leaves out optimizer and scheduler states: so do we.
+    with_optimizers = "optimizer_states" in checkpoint
+    checkpoint.pop("optimizer_states", None)
+    state: dict[str, Any] = {"state_dict": checkpoint.pop("state_dict")}
+    optimizers = list(optimizers) if with_optimizers else []
+    for idx, optimizer in enumerate(optimizers):
+        state[f"optimizer_{idx}"] = optimizer_state_for_save(module, optimizer)
+    # Names only: the order of the full model's state dict and of every optimizer's parameter groups.
+    local = (list(state["state_dict"]), [group_names(module, opt) for opt in optimizers])
+    gathered = all_gather(local)
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True))
+    if is_global_zero:
+        checkpoint[INFO_KEY] = {
+            "format_version": FORMAT_VERSION,
+            "state_dict_keys": merge_order([keys for keys, _ in gathered], backbone_prefix),
+            "optimizers": [
+                {"param_groups": merge_groups([groups[idx] for _, groups in gathered], backbone_prefix)}
+                for idx in range(len(optimizers))
+            ],
+            "pipeline_layout": layout,
+        }
+        write_meta(checkpoint, tmp)
+    barrier("lightning_pipe.save.written")
+    if is_global_zero:
+        commit(tmp, path)
+    barrier("lightning_pipe.save.done")
+
+
+# ------------------------------------------------------------------------------------------------------------ loading
+def load(
+    filepath: Any,
+    *,
+    module: nn.Module,
+    optimizers: list[torch.optim.Optimizer],
+    fitting: bool,
+    weights_only: Optional[bool],
+    checkpoint_io: Any,
+    global_rank: int,
+    backbone_prefix: str,
+) -> dict[str, Any]:
+    """Load a checkpoint into ``module`` and ``optimizers`` in place; return the rest for Lightning.
+
+    ``filepath`` is a pipelined checkpoint directory (any pipeline layout) or an ordinary single-file Lightning
+    checkpoint, of which each rank takes its stages' weights (and, when ``fitting``, their optimizer state).
+    """
+    path = resolve(Path(filepath))
+    strict = module.strict_loading
+    if path.is_file():
+        optimizers = optimizers if fitting else []
+        return _load_file(path, module, optimizers, weights_only, checkpoint_io, global_rank, backbone_prefix)
+    checkpoint = read_meta(path, weights_only)
+    checkpoint.pop(INFO_KEY, None)
+    checkpoint.pop("pipeline_layout", None)
+    state: dict[str, Any] = {"state_dict": module.state_dict()}
+    # Optimizers are restored when fitting and when the checkpoint has them (not `save_weights_only`); Lightning
+    # itself raises for a weights-only checkpoint because the LR scheduler states are missing then.
+    optimizers = list(optimizers) if fitting and "lr_schedulers" in checkpoint else []
+    stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    stepped = [any(k.startswith(f"optimizer_{idx}.state.") for k in stored) for idx in range(len(optimizers))]
+    for idx, optimizer in enumerate(optimizers):
+        # The template of what to read. An optimizer saved before its first step has hyper-parameters only.
+        state[f"optimizer_{idx}"] = (
+            get_optimizer_state_dict(module, optimizer, options=OPTIM_OPTIONS)
+            if stepped[idx]
+            else flat_param_groups(module, optimizer)
+        )
+    _check_against(path, state, stored, strict, global_rank)
+    try:  # DCP gathers every rank's read errors and raises them on all ranks
+        dcp.load(state, checkpoint_id=path, planner=dcp.DefaultLoadPlanner(allow_partial_load=not strict))
+    except (Exception, CheckpointException) as err:  # CheckpointException is a BaseException
+        raise RuntimeError(
+            f"Reading checkpoint `{path}` failed (reported on rank {global_rank}): its files are damaged or"
+            f" incomplete. Load an earlier checkpoint. Cause: {_first_line(err)}"
+        ) from err
+    module.load_state_dict(state["state_dict"], strict=strict)
+    for idx, optimizer in enumerate(optimizers):
+        if stepped[idx]:
+            set_optimizer_state_dict(module, optimizer, state[f"optimizer_{idx}"], options=OPTIM_OPTIONS)
+        else:
+            set_param_groups(module, optimizer, state[f"optimizer_{idx}"])
+    checkpoint["state_dict"] = module.state_dict()  # this rank's part, for `on_load_checkpoint` hooks
+    log.debug("rank %d: loaded checkpoint %s", global_rank, path)
+    return checkpoint
+
+
+def _check_against(path: Path, state: dict[str, Any], stored: dict[str, Any], strict: bool, rank: int) -> None:
+    """Compare what every rank needs with what the checkpoint holds; fail on every rank, naming the problem.
+
+    Names missing on one rank only would otherwise leave the other ranks waiting in DCP's collectives.
+    """
+    missing, mismatched = [], []
+    for top, sub in state.items():
+        for key, value in sub.items():
+            name = f"{top}.{key}"
+            meta = stored.get(name)
+            if meta is None:
+                if strict or top != "state_dict":
+                    missing.append(name)
+            elif isinstance(value, torch.Tensor):
+                size = meta.shape if isinstance(meta, torch.Tensor) else getattr(meta, "size", None)
+                if size is not None and tuple(size) != tuple(value.shape):
+                    mismatched.append(f"{name}: checkpoint {tuple(size)}, model {tuple(value.shape)}")
+    wanted = [f"state_dict.{k}" for k in state["state_dict"]]
+    reports = all_gather((rank, missing, mismatched, wanted))
+    needed = {k for _, _, _, keys in reports for k in keys}
+    unexpected = sorted(k for k in stored if k.startswith("state_dict.") and k not in needed) if strict else []
+    _raise_mismatch(path, reports, unexpected, rank)
+
+
+def _raise_mismatch(path: Path, reports: list[tuple], unexpected: list[str], rank: int) -> None:
+    lines = []
+    for r, missing, mismatched, _ in reports:
+        weights = [k[len("state_dict.") :] for k in missing if k.startswith("state_dict.")]
+        others = [k for k in missing if not k.startswith("state_dict.")]
+        if weights:
+            lines.append(f"  rank {r}: missing weights ({len(weights)}): {_shorten(weights)}")
+        if others:
+            lines.append(f"  rank {r}: missing optimizer entries ({len(others)}): {_shorten(others, 4)}")
+        if mismatched:
+            lines.append(f"  rank {r}: shape mismatch ({len(mismatched)}): {_shorten(mismatched)}")
+    if unexpected:
+        names = [k[len("state_dict.") :] for k in unexpected]
+        lines.append(f"  in the checkpoint but in no rank's model ({len(names)}): {_shorten(names)}")
+    if not lines:
+        return
+    raise CheckpointMismatchError(
+        f"Checkpoint `{path}` does not match this model (reported on rank {rank}):\n"
+        + "\n".join(lines)
+        + "\nCheck that it was saved from the same model (number of blocks, sizes) and optimizer configuration."
+        " To load only the matching weights set `model.strict_loading = False`; to fine-tune with another optimizer,"
+        " load the weights (`Model.load_from_checkpoint`) and call `trainer.fit` without `ckpt_path`."
+    )
+
+
+def _first_line(err: BaseException) -> str:
+    if isinstance(err, CheckpointException):  # one failure per rank, each (exception, stack)
+        causes = []
+        for rank, failure in sorted(err.failures.items()):
+            exc = failure[0] if isinstance(failure, tuple) else failure
+            causes.append(f"rank {rank}: {_first_line(exc) if isinstance(exc, BaseException) else exc}")
+        return "; ".join(causes)
+    text = str(err).strip()
+    return f"{type(err).__name__}" + (f": {text.splitlines()[0]}" if text else "")
+
+
+def _shorten(names: list[str], limit: int = 8) -> str:
+    return ", ".join(names[:limit]) + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
+
+
+def _load_file(
+    path: Path,
+    module: nn.Module,
+    optimizers: list[torch.optim.Optimizer],
+    weights_only: Optional[bool],
+    checkpoint_io: Any,
+    global_rank: int,
+    backbone_prefix: str,
+) -> dict[str, Any]:
+    """Each rank takes its stages from an ordinary single-file Lightning checkpoint."""
+    strict = module.strict_loading
+    checkpoint = checkpoint_io.load_checkpoint(path, map_location="cpu", weights_only=weights_only)
+    full = checkpoint.get("state_dict")
+    if not isinstance(full, dict):
+        raise CheckpointMismatchError(f"`{path}` is not a Lightning checkpoint: it has no `state_dict`.")
+    local = module.state_dict()
+    stored = {f"state_dict.{k}": v for k, v in full.items() if isinstance(v, torch.Tensor)}
+    _check_against(path, {"state_dict": local}, stored, strict, global_rank)
+    module.load_state_dict({k: full[k] for k in local if k in full}, strict=strict)
+    optimizer_states = checkpoint.pop("optimizer_states", None)
+    if optimizers and optimizer_states is not None:
+        gathered = all_gather([group_names(module, opt) for opt in optimizers])
+        if len(optimizer_states) != len(optimizers):
+            raise CheckpointMismatchError(
+                f"`{path}` holds {len(optimizer_states)} optimizer states but `configure_optimizers` made"
+                f" {len(optimizers)}."
+            )
+        for idx, (optimizer, saved) in enumerate(zip(optimizers, optimizer_states)):
+            groups = merge_groups([per_rank[idx] for per_rank in gathered], backbone_prefix)
+            load_full_optimizer_state(module, optimizer, saved, groups, path)
+    checkpoint["state_dict"] = module.state_dict()
+    return checkpoint
+
+
+def stored_balance(filepath: Any) -> list[int]:
+    """The modules per stage of the split a checkpoint directory was saved with, e.g. a profiled
+    ``balance="time"`` split, to pass as ``PipelineStrategy(balance=stored_balance(ckpt_dir))`` on resume."""
+    layout = layout_of(read_meta(resolve(Path(filepath)), weights_only=True))
+    return [stop - start for start, stop in layout["bounds"]]

@@ -1,0 +1,127 @@
+"""A checkpoint directory on disk: its files, reading and writing ``meta.pt``, and replacing a directory safely.
+
+A checkpoint is a directory (the path Lightning passes, e.g. ``epoch=0-step=100.ckpt/``):
+
+- DCP shards (``__<rank>_0.distcp``) and the DCP index (``.metadata``) hold ``state_dict`` (model weights under
+  their original names, each rank writing its own stages) and ``optimizer_<i>`` (optimizer ``i``'s state,
+  flattened and keyed by parameter name, so that it can be resharded onto any pipeline layout);
+- ``meta.pt`` holds everything else Lightning puts in a checkpoint (loops, callbacks, LR schedulers, hyper-
+  parameters, ...), written once by rank 0, plus, under the key ``"lightning_pipe"`` (:data:`INFO_KEY`), the
+  pipeline layout, the full model's parameter order and each optimizer's parameter groups.
+
+Saving writes into a temporary sibling directory (``<name>.tmp-lightning-pipe``) and renames it into place once
+every rank has written and synced its files (:func:`commit`): a job killed mid-save leaves the previous checkpoint
+intact and no half-written directory under the final name. Overwriting a checkpoint of the same name
+(``last.ckpt``) moves the old one aside (``<name>.old-lightning-pipe``) for the instant between the two renames;
+loading falls back to it (:func:`resolve`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+log = logging.getLogger(__name__)
+
+META_FILENAME = "meta.pt"
+INFO_KEY = "lightning_pipe"
+FORMAT_VERSION = 1
+TMP_SUFFIX = ".tmp-lightning-pipe"
+OLD_SUFFIX = ".old-lightning-pipe"
+
+
+def is_pipeline_checkpoint(path: Any) -> bool:
+    """Whether ``path`` is a complete lightning_pipe checkpoint directory."""
+    try:
+        path = Path(path)
+    except TypeError:
+        return False
+    return path.is_dir() and (path / META_FILENAME).is_file() and (path / ".metadata").is_file()
+
+
+def read_meta(path: Path, weights_only: Optional[bool] = None) -> dict[str, Any]:
+    """``meta.pt`` of the checkpoint directory ``path``."""
+    return torch.load(path / META_FILENAME, map_location="cpu", weights_only=bool(weights_only))
+
+
+def write_meta(meta: dict[str, Any], path: Path) -> None:
+    """Write ``meta.pt`` into the directory ``path`` and sync it to disk."""
+    with open(path / META_FILENAME, "wb") as f:
+        torch.save(meta, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def layout_of(meta: dict[str, Any]) -> dict[str, Any]:
+    """The pipeline layout a checkpoint was saved with (``bounds``, sizes, style, backbone path)."""
+    return meta[INFO_KEY]["pipeline_layout"]
+
+
+def resolve(path: Path) -> Path:
+    """The checkpoint to read for ``path``: itself, or the old copy a replacing save left when it was interrupted."""
+    if path.exists():
+        if path.is_dir() and not is_pipeline_checkpoint(path):
+            raise FileNotFoundError(
+                f"`{path}` is a directory but not a complete lightning_pipe checkpoint: it lacks `{META_FILENAME}`"
+                " or DCP's `.metadata`. Pass the directory `ModelCheckpoint`/`trainer.save_checkpoint` wrote, e.g."
+                " `.../checkpoints/epoch=0-step=100.ckpt`. Directories ending in"
+                f" `{TMP_SUFFIX}` are saves that were interrupted and cannot be loaded."
+            )
+        return path
+    old = sibling(path, OLD_SUFFIX)
+    if is_pipeline_checkpoint(old):
+        warnings.warn(
+            f"`{path}` does not exist, but `{old}` does: a save replacing it was interrupted. Loading `{old}`.",
+            stacklevel=3,
+        )
+        return old
+    raise FileNotFoundError(f"Checkpoint `{path}` does not exist.")
+
+
+def commit(tmp: Path, path: Path) -> None:
+    """Move the finished ``tmp`` directory to ``path``, replacing what is there."""
+    old: Optional[Path] = None
+    if path.is_symlink() or path.is_file():
+        path.unlink()  # a link (``save_last="link"``) or a file written by another strategy
+    elif path.exists():
+        old = sibling(path, OLD_SUFFIX)
+        if old.exists():
+            remove(old)
+        path.rename(old)
+    tmp.rename(path)
+    _fsync_dir(path.parent)
+    if old is not None:
+        shutil.rmtree(old)
+    log.debug("checkpoint committed: %s", path)
+
+
+def remove(filepath: Any) -> None:
+    """Delete a checkpoint directory (or a file or link left by another strategy)."""
+    path = Path(filepath)
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+def sibling(path: Path, suffix: str) -> Path:
+    return path.with_name(path.name + suffix)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

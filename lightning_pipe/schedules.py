@@ -1,0 +1,94 @@
+"""The pipeline schedules ``PipelineStrategy(schedule=...)`` accepts, and what this package knows about each.
+
+Every schedule is torch's own class from ``torch.distributed.pipelining.schedules``; this table holds the facts the
+strategy, the microbatch policy, the planner and the timeline need about it, in one place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+__all__ = ["SCHEDULES", "SCHEDULE_NAMES", "ScheduleSpec", "schedule_spec"]
+
+
+@dataclass(frozen=True)
+class ScheduleSpec:
+    """What the package knows about one ``torch.distributed.pipelining`` schedule.
+
+    Attributes:
+        name: the name torch knows it by (``get_schedule_class(name)``).
+        multi_stage: runs several stages per process (takes ``stages_per_rank``).
+        placement: ``"loop"`` (stage ``s`` on pipeline rank ``s % p``) or ``"v"`` (zig-zag, two stages per process).
+        min_microbatches: ``"any"``, ``"per_rank"`` (``m >= p``, 1F1B) or ``"per_stage"`` (``m >= p * v``,
+            DualPipeV).
+        rounds_rule: torch also needs ``m % max(1, m // p) == 0`` (the interleaved schedules' rounds).
+        textbook_bubble: its idle fraction is ``(p - 1) / (v * m + p - 1)``, the bubble the timeline compares with.
+        planned: the planner's cost model covers it.
+        strategy_names: the names it is registered under, for ``Trainer(strategy=...)``.
+    """
+
+    name: str
+    multi_stage: bool
+    placement: str = "loop"
+    min_microbatches: str = "any"
+    rounds_rule: bool = False
+    textbook_bubble: bool = False
+    planned: bool = False
+    strategy_names: tuple[str, ...] = ()
+
+    @property
+    def fixed_stages_per_rank(self) -> Optional[int]:
+        """The only ``stages_per_rank`` it runs with: 1 for single-stage, 2 for V placement, else ``None``."""
+        if not self.multi_stage:
+            return 1
+        return 2 if self.placement == "v" else None
+
+    def default_stages_per_rank(self) -> int:
+        return self.fixed_stages_per_rank or 2
+
+    def fewest_microbatches(self, pipeline_parallel_size: int, stages_per_rank: int) -> int:
+        """The fewest microbatches torch accepts for this pipeline."""
+        if self.min_microbatches == "per_rank":
+            return pipeline_parallel_size
+        if self.min_microbatches == "per_stage":
+            return pipeline_parallel_size * stages_per_rank
+        return 1
+
+    def accepts(self, num_microbatches: int, pipeline_parallel_size: int, stages_per_rank: int) -> bool:
+        """Whether torch's schedule accepts ``num_microbatches`` for ``p`` processes of ``v`` stages each."""
+        m, p = num_microbatches, pipeline_parallel_size
+        if m < self.fewest_microbatches(p, stages_per_rank):
+            return False
+        return not (self.rounds_rule and m % max(1, m // p))
+
+
+SCHEDULES: dict[str, ScheduleSpec] = {
+    spec.name: spec
+    for spec in (
+        ScheduleSpec(
+            "1F1B", False, min_microbatches="per_rank", textbook_bubble=True, planned=True,
+            strategy_names=("pipeline", "pipeline_1f1b"),
+        ),
+        ScheduleSpec("GPipe", False, textbook_bubble=True, planned=True, strategy_names=("pipeline_gpipe",)),
+        ScheduleSpec(
+            "Interleaved1F1B", True, rounds_rule=True, textbook_bubble=True, planned=True,
+            strategy_names=("pipeline_interleaved",),
+        ),
+        ScheduleSpec("LoopedBFS", True),
+        ScheduleSpec("InterleavedZeroBubble", True, rounds_rule=True),
+        ScheduleSpec("ZBVZeroBubble", True, placement="v", strategy_names=("pipeline_zero_bubble",)),
+        ScheduleSpec("DualPipeV", True, placement="v", min_microbatches="per_stage"),
+    )
+}
+
+#: Schedules selectable by name, in the order the documentation lists them.
+SCHEDULE_NAMES = tuple(SCHEDULES)
+
+
+def schedule_spec(name: str) -> ScheduleSpec:
+    """The :class:`ScheduleSpec` for ``name`` (case-insensitive); raises ``ValueError`` naming the choices."""
+    canonical = {n.lower(): n for n in SCHEDULES}.get(str(name).lower())
+    if canonical is None:
+        raise ValueError(f"Unknown `schedule={name!r}`. Choose one of {list(SCHEDULE_NAMES)}.")
+    return SCHEDULES[canonical]
