@@ -13,6 +13,7 @@ with an underscore are internal.
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_pipe._backbone import BackboneCallError
+from lightning_pipe._stage import materialize
 from lightning_pipe.checkpoint import load_from_checkpoint, stored_balance
 from lightning_pipe.partition import StageLayout
 from lightning_pipe.schedules import SCHEDULE_NAMES
@@ -24,6 +25,7 @@ __all__ = [
     "SCHEDULE_NAMES",
     "StageLayout",
     "load_from_checkpoint",
+    "materialize",
     "stored_balance",
 ]
 __version__ = "0.1.0"

@@ -1,204 +1,181 @@
-"""The user's backbone: finding it, keeping only the local stages, and intercepting its calls.
+"""Finding the backbone: the blocks a pipeline cuts into stages.
 
-The strategy runs the user's unchanged ``*_step`` methods around the pipeline. The backbone is replaced by a
-:class:`LocalBackbone` that holds only this rank's modules under their original indices, so that
-``state_dict()`` keeps the original names. Calling it does not run the modules: it hands the call to the
-strategy, which either captures the input (first-stage side) or returns the pipeline's output
-(last-stage side).
+The backbone is one container of blocks, or several consecutive ones: an ``nn.Sequential`` the user's code calls
+as a whole (``self.blocks(x)``), or an ``nn.ModuleList``/``nn.Sequential``/``nn.ModuleDict`` it loops over
+(``for block in self.layers: x = block(x, mask)``), or a list of them run one after the other (torchvision's
+``layer1`` ... ``layer4``). Its blocks, in order, are what the stages split; everything else in the module runs
+before the backbone (first stage) or after it (last stage). See :mod:`lightning_pipe._structure` for how the step
+uses them.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Iterator
-from contextlib import contextmanager
-from typing import Any, Callable, Optional
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Union
 
-import torch
-from torch import Tensor, nn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import nn
 
-from lightning_pipe._logging import LogRecorder
+log = logging.getLogger(__name__)
+
+_CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+_CONTAINER_NAMES = "an `nn.Sequential`, `nn.ModuleList` or `nn.ModuleDict`"
 
 
 class BackboneCallError(RuntimeError):
-    """The user's step called the pipelined backbone in a way the pipeline cannot run."""
+    """The user's step uses the pipelined backbone in a way the pipeline cannot run."""
 
     __module__ = "lightning_pipe"  # its public home
 
 
-class _InputCaptured(Exception):
-    """Raised by the capturing handler to stop the user's step right after the backbone input is known."""
+@dataclass(frozen=True)
+class Block:
+    """One block of the backbone.
 
-    def __init__(self, args: tuple, kwargs: dict) -> None:
-        super().__init__()
-        self.args = args
-        self.kwargs = kwargs
-
-
-class LocalBackbone(nn.Sequential):
-    """This rank's slice of the backbone, keyed by the original indices (``"7"`` stays ``"7"``).
-
-    Args:
-        modules: the original backbone, split already; only ``keep`` are retained.
-        keep: the backbone indices this rank runs.
-        num_modules: the length of the original backbone, kept for information and re-setup.
+    Attributes:
+        index: its position in the whole backbone (over all containers).
+        container: which of the backbone's containers holds it.
+        key: its key in that container (``"3"``).
+        name: its dotted path in the LightningModule (``"model.layers.3"``).
     """
 
-    def __init__(self, modules: nn.Sequential, keep: list[int], num_modules: int) -> None:
-        super().__init__(OrderedDict((str(i), modules[i]) for i in keep))
-        self.num_modules = num_modules
-        self.indices = list(keep)
-        self._handler: Optional[Callable[..., Any]] = None
-        self.layout: Any = None  # the StageLayout it was split with, set by the strategy
-        self.stage_wrappers: dict[Any, nn.Module] = {}  # runtime wrappers (DDP, checkpointing), not submodules
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self._handler is None:
-            raise BackboneCallError(
-                "The pipelined backbone holds only this rank's stages and cannot be called outside the"
-                " `training_step`, `validation_step`, `test_step` or `predict_step` that `PipelineStrategy` runs."
-            )
-        return self._handler(*args, **kwargs)
-
-    def module_at(self, index: int) -> nn.Module:
-        return self._modules[str(index)]  # type: ignore[return-value]
-
-    @contextmanager
-    def handled_by(self, handler: Callable[..., Any]) -> Iterator[None]:
-        self._handler = handler
-        try:
-            yield
-        finally:
-            self._handler = None
+    index: int
+    container: int
+    key: str
+    name: str
 
 
-def resolve_backbone(module: nn.Module, path: str) -> tuple[nn.Module, str, nn.Module]:
-    """Find the attribute ``path`` (dotted) on ``module``.
+@dataclass(frozen=True)
+class Backbone:
+    """The containers of blocks a pipeline splits, in the order they run."""
 
-    Returns:
-        ``(parent, attribute_name, backbone)``.
+    paths: tuple[str, ...]
+    containers: tuple[nn.Module, ...]
+    blocks: tuple[Block, ...]
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def module(self, index: int) -> nn.Module:
+        """Block ``index`` as the container holds it now."""
+        block = self.blocks[index]
+        return self.containers[block.container]._modules[block.key]  # type: ignore[return-value]
+
+    def set_module(self, index: int, module: nn.Module) -> None:
+        block = self.blocks[index]
+        self.containers[block.container]._modules[block.key] = module
+
+    def describe(self) -> str:
+        return ", ".join(f"`{p}` ({len(c)} blocks)" for p, c in zip(self.paths, self.containers))
+
+
+def find_backbone(module: nn.Module, spec: Union[str, Sequence[str]] = "auto") -> Backbone:
+    """The backbone of ``module``: the container(s) at the dotted path(s) ``spec``, or found (``"auto"``).
+
+    ``"auto"`` takes a ``backbone`` attribute if the module has one, else the longest container of repeated
+    blocks (children of one class, with parameters), outermost first; it refuses, listing the candidates, when two
+    are equally long.
     """
-    parent: nn.Module = module
-    *parents, name = path.split(".")
+    if isinstance(spec, str) and spec == "auto":
+        paths = _auto_paths(module)
+    else:
+        paths = [spec] if isinstance(spec, str) else list(spec)
+        if not paths:
+            raise ValueError("`PipelineStrategy(backbone=[])` names no container; name at least one, or use 'auto'.")
+    containers = [_resolve(module, path, spec) for path in paths]
+    for i, a in enumerate(containers):
+        for j, b in enumerate(containers):
+            if i != j and (a is b or any(m is b for m in a.modules())):
+                raise ValueError(
+                    f"`PipelineStrategy(backbone={list(paths)})`: `{paths[j]}` is inside `{paths[i]}` (or the same"
+                    " container). List consecutive containers that do not contain each other."
+                )
+    blocks = []
+    for c, (path, container) in enumerate(zip(paths, containers)):
+        if len(container) == 0:
+            raise ValueError(f"`PipelineStrategy`: the backbone container `{path}` is empty; name one with blocks.")
+        for key in container._modules:
+            blocks.append(Block(len(blocks), c, key, f"{path}.{key}"))
+    backbone = Backbone(tuple(paths), tuple(containers), tuple(blocks))
+    log.debug("backbone: %s", backbone.describe())
+    return backbone
+
+
+def _auto_paths(module: nn.Module) -> list[str]:
+    own = getattr(module, "backbone", None)
+    if isinstance(own, _CONTAINERS):
+        return ["backbone"]
+    candidates = _repeated_containers(module)
+    if not candidates:
+        found = [n for n, m in module.named_modules() if n and isinstance(m, _CONTAINERS)]
+        hint = f" Containers found: {found[:8]}." if found else " The module has no nn.Sequential or nn.ModuleList."
+        raise ValueError(
+            f"`PipelineStrategy(backbone='auto')` found no container of repeated blocks in `{type(module).__name__}`."
+            " Set `backbone=` to the dotted path of the container that holds the blocks (e.g. 'model.layers' or"
+            f" 'transformer.h'), or a list of consecutive containers.{hint}"
+        )
+    longest = max(len(c) for _, c in candidates)
+    best = [(n, c) for n, c in candidates if len(c) == longest]
+    if len(best) > 1:
+        listed = ", ".join(f"'{n}' ({len(c)} x {_block_class(c)})" for n, c in candidates)
+        raise ValueError(
+            f"`PipelineStrategy(backbone='auto')` cannot choose: {len(best)} containers of repeated blocks are"
+            f" equally long. Candidates: {listed}. Set `backbone=` to one of them, or to a list of consecutive"
+            " containers that run one after the other (e.g. ['layer1', 'layer2', 'layer3', 'layer4'])."
+        )
+    name, container = best[0]
+    block = _block_class(container)
+    rank_zero_info(
+        f"PipelineStrategy: pipelining `{name}` ({len(container)} x {block}); set `backbone=` to choose another."
+    )
+    return [name]
+
+
+def _block_class(container: nn.Module) -> str:
+    return type(next(iter(container._modules.values()))).__name__
+
+
+def _repeated_containers(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Containers of two or more children of one class that have parameters, not inside another such container."""
+    found: list[tuple[str, nn.Module]] = []
+    inside: set[int] = set()
+    for name, sub in module.named_modules():
+        if not name or id(sub) in inside or not isinstance(sub, _CONTAINERS):
+            continue
+        children = [c for c in sub._modules.values() if c is not None]  # a reused block counts each time
+        if len(children) < 2 or len({type(c) for c in children}) != 1:
+            continue
+        if not any(True for c in children for _ in c.parameters()):
+            continue
+        found.append((name, sub))
+        inside.update(id(m) for m in sub.modules())
+    return found
+
+
+def _resolve(module: nn.Module, path: str, spec: Any) -> nn.Module:
+    parent: Any = module
     walked = []
-    for part in parents:
+    for part in path.split("."):
         walked.append(part)
         child = getattr(parent, part, None)
         if not isinstance(child, nn.Module):
-            raise AttributeError(_missing_backbone_message(module, path, ".".join(walked)))
+            raise AttributeError(_missing_message(module, path, ".".join(walked), spec))
         parent = child
-    backbone = getattr(parent, name, None)
-    if backbone is None:
-        raise AttributeError(_missing_backbone_message(module, path, path))
-    if not isinstance(backbone, nn.Sequential):
+    if not isinstance(parent, _CONTAINERS):
         raise TypeError(
-            f"`PipelineStrategy(backbone={path!r})` must name an `nn.Sequential`, but `{path}` is a"
-            f" `{type(backbone).__name__}`. Wrap the layers to pipeline in one `nn.Sequential` attribute, or point"
-            " `backbone=` at the attribute that is one."
+            f"`PipelineStrategy(backbone={spec!r})`: `{path}` is a `{type(parent).__name__}`, but the backbone must be"
+            f" {_CONTAINER_NAMES} of blocks. Point `backbone=` at the container that holds the blocks (or a list"
+            " of consecutive containers)."
         )
-    return parent, name, backbone
+    return parent
 
 
-def _missing_backbone_message(module: nn.Module, path: str, missing: str) -> str:
-    candidates = [n for n, m in module.named_modules() if n and isinstance(m, nn.Sequential)]
-    hint = f" Sequential modules found: {candidates[:8]}." if candidates else " The module has no nn.Sequential."
+def _missing_message(module: nn.Module, path: str, missing: str, spec: Any) -> str:
+    candidates = [n for n, m in module.named_modules() if n and isinstance(m, _CONTAINERS)]
+    hint = f" Containers found: {candidates[:8]}." if candidates else " The module has no container of blocks."
     return (
-        f"`PipelineStrategy(backbone={path!r})`: `{type(module).__name__}` has no attribute `{missing}`."
-        f" Set `backbone=` to the dotted attribute path of the nn.Sequential to pipeline.{hint}"
+        f"`PipelineStrategy(backbone={spec!r})`: `{type(module).__name__}` has no attribute `{missing}`."
+        f" Set `backbone=` to the dotted path of {_CONTAINER_NAMES} of blocks, or to 'auto'.{hint}"
     )
-
-
-def capture_input(
-    backbone: LocalBackbone, step: Callable[..., Any], *step_args: Any, **step_kwargs: Any
-) -> tuple[tuple, dict]:
-    """Run ``step`` until it calls the backbone and return the call's ``(args, kwargs)``."""
-
-    def handler(*args: Any, **kwargs: Any) -> Any:
-        raise _InputCaptured(args, kwargs)
-
-    with backbone.handled_by(handler):
-        try:
-            step(*step_args, **step_kwargs)
-        except _InputCaptured as captured:
-            return captured.args, captured.kwargs
-    raise BackboneCallError(
-        "The step finished without calling the pipelined backbone. With `PipelineStrategy`, each"
-        " `training_step`/`validation_step`/`test_step`/`predict_step` must call the backbone (directly or through"
-        " `forward`) exactly once per batch."
-    )
-
-
-def run_with_output(
-    backbone: LocalBackbone, output: Any, step: Callable[..., Any], *step_args: Any, **step_kwargs: Any
-) -> Any:
-    """Run ``step`` with the backbone call answered by ``output``; the backbone must be called exactly once."""
-    calls = 0
-
-    def handler(*args: Any, **kwargs: Any) -> Any:
-        nonlocal calls
-        calls += 1
-        if calls > 1:
-            raise BackboneCallError(
-                "The step called the pipelined backbone twice. With `PipelineStrategy`, the backbone runs once"
-                " per batch: call it once and reuse its output."
-            )
-        return output
-
-    with backbone.handled_by(handler):
-        result = step(*step_args, **step_kwargs)
-    if calls == 0:
-        raise BackboneCallError("The step did not call the pipelined backbone on the last stage.")
-    return result
-
-
-def capture_inputs(
-    module: nn.Module, backbone: LocalBackbone, step: Callable[..., Any], *args: Any, **kwargs: Any
-) -> tuple[Tensor, ...]:
-    """The backbone input of this batch, found by running ``step`` up to the backbone call."""
-    with LogRecorder().installed(module):  # the last stage logs this part per microbatch
-        inputs, input_kwargs = capture_input(backbone, step, *args, **kwargs)
-    if input_kwargs or len(inputs) != 1 or not isinstance(inputs[0], Tensor):
-        raise BackboneCallError(
-            "The pipelined backbone is an `nn.Sequential` and must be called with exactly one tensor, batch"
-            f" dimension first; it was called with {len(inputs)} positional and {len(input_kwargs)} keyword"
-            " arguments."
-        )
-    batch_size_of(inputs, input_kwargs)
-    return inputs
-
-
-def loss_of(result: Any) -> Tensor:
-    """The loss in what ``training_step`` returned."""
-    loss = result.get("loss") if isinstance(result, dict) else result
-    if not isinstance(loss, Tensor):
-        raise BackboneCallError(
-            "Under `PipelineStrategy`, `training_step` must return the loss tensor (or a dict with 'loss') for every"
-            f" microbatch; it returned {type(result).__name__}. Skipping a step by returning None is not supported."
-        )
-    return loss
-
-
-def batch_size_of(args: tuple, kwargs: dict) -> int:
-    """The batch size of the backbone input: the first dimension of its first tensor."""
-    for value in (*args, *kwargs.values()):
-        if isinstance(value, torch.Tensor) and value.dim() > 0:
-            return int(value.shape[0])
-    raise BackboneCallError(
-        "The backbone was called without a batched tensor input. `PipelineStrategy` splits the backbone input"
-        " along dimension 0 into microbatches, so pass the batch as a tensor with the batch dimension first."
-    )
-
-
-def slice_batch(batch: Any, batch_size: int, start: int, stop: int) -> Any:
-    """Rows ``start:stop`` of every tensor or sequence in ``batch`` whose first dimension is ``batch_size``."""
-    if isinstance(batch, torch.Tensor):
-        return batch[start:stop] if batch.dim() > 0 and batch.shape[0] == batch_size else batch
-    if isinstance(batch, dict):
-        return type(batch)((k, slice_batch(v, batch_size, start, stop)) for k, v in batch.items())
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
-        return type(batch)(*(slice_batch(v, batch_size, start, stop) for v in batch))
-    if isinstance(batch, (list, tuple)):
-        if len(batch) == batch_size and not any(isinstance(v, (torch.Tensor, list, tuple, dict)) for v in batch):
-            return batch[start:stop]
-        return type(batch)(slice_batch(v, batch_size, start, stop) for v in batch)
-    return batch

@@ -23,6 +23,9 @@ Lightning (checked against 2.6.6):
 - ``Strategy._launcher``, ``_precision_plugin``, ``_layer_sync`` and the ``_configure_launcher`` hook: the protected
   members every Lightning strategy subclass sets or reads (the launcher it starts, the precision plugin behind the
   ``precision_plugin`` property, the plugin ``sync_batchnorm=True`` installs).
+- ``ModelSummary._summary`` (the callback's way to its summary; Lightning special-cases only DeepSpeed there): the
+  strategy gives ``Trainer.callbacks`` a copy of each summary callback whose ``_summary`` counts the whole model
+  (``_summary.summarize_whole_model``).
 - ``LightningModule.log`` is replaced by an instance attribute while a pipelined step runs on the last stage
   (:func:`logging_routed_to`): Lightning has no hook to intercept ``self.log`` calls, and the step's logs must be
   reduced over microbatches and replayed on every rank.
@@ -196,6 +199,16 @@ def set_metric_bookkeeping(metric: Any, update_count: int, forward_cache: Any, c
 def reset_metric_sync_cache(metric: Any) -> None:
     """Forget a cached synced state, as ``Metric.reset`` does."""
     metric._cache, metric._is_synced = None, False
+
+
+def metric_sync_flags(metric: Any) -> tuple[Any, ...]:
+    """The flags ``Metric.forward`` and ``sync`` change (a ``forward`` interrupted by an error leaves them changed:
+    the metric would then skip its sync in ``compute``, and only on this rank)."""
+    return metric._to_sync, metric._should_unsync, metric._is_synced, metric._cache
+
+
+def set_metric_sync_flags(metric: Any, flags: tuple[Any, ...]) -> None:
+    metric._to_sync, metric._should_unsync, metric._is_synced, metric._cache = flags
 
 
 def merge_metric_state(metric: Any, state: dict[str, Any]) -> None:

@@ -25,6 +25,7 @@ from lightning.pytorch import LightningModule
 from torchmetrics import Metric
 
 from lightning_pipe import _compat
+from lightning_pipe._ghost import Ghost, GhostValueError
 from lightning_pipe._metrics import module_metrics
 
 _LOG_SIGNATURE = inspect.signature(LightningModule.log)
@@ -145,6 +146,12 @@ class _MetricStates:
 def _weighted_mean(name: str, values: list[Any], weights: list[int]) -> torch.Tensor:
     tensors = []
     for v in values:
+        if isinstance(v, Ghost):
+            raise GhostValueError(
+                f"`self.log({name!r}, ...)` logs a value the last pipeline stage does not compute ({v!r}): it comes"
+                " from before the backbone (the first stage's parameters) or from a block other than the last. Log"
+                " values computed from the backbone's output and the batch."
+            )
         if isinstance(v, torch.Tensor):
             tensors.append(v.detach().float())
         elif isinstance(v, numbers.Number):

@@ -46,7 +46,7 @@ def per_batch_metrics(metrics: list[tuple[str, Metric]], num_microbatches: int) 
         if calls == 0:
             _put_back(metric, kept)
             continue
-        state, count, _, _ = kept
+        state, count, _, _, _ = kept
         if forward_cache is not None:
             forward_cache = _compat.compute_without_sync(metric)
         _compat.set_metric_bookkeeping(metric, count + max(1, calls // num_microbatches), forward_cache, None)
@@ -65,14 +65,14 @@ def metrics_set_aside(metrics: list[tuple[str, Metric]]) -> Iterator[None]:
             _put_back(metric, kept)
 
 
-_Stashed = tuple[dict[str, Any], int, Any, Any]
+_Stashed = tuple[dict[str, Any], int, Any, Any, tuple[Any, ...]]
 
 
 def _stash(metric: Metric) -> _Stashed:
     """Take the metric's state out (by reference: nothing is copied) and leave it at its defaults."""
     defaults = _compat.metric_state_defaults(metric)
     state = {attr: getattr(metric, attr) for attr in defaults}
-    kept = (state, *_compat.metric_bookkeeping(metric))
+    kept = (state, *_compat.metric_bookkeeping(metric), _compat.metric_sync_flags(metric))
     for attr, default in defaults.items():
         if isinstance(default, torch.Tensor):
             setattr(metric, attr, default.detach().clone().to(state[attr].device))
@@ -85,7 +85,8 @@ def _stash(metric: Metric) -> _Stashed:
 
 def _put_back(metric: Metric, kept: _Stashed) -> None:
     """Undo :func:`_stash`: whatever happened to the metric since, it is as it was."""
-    state, count, cache, computed = kept
+    state, count, cache, computed, flags = kept
     for attr, value in state.items():
         setattr(metric, attr, value)
     _compat.set_metric_bookkeeping(metric, count, cache, computed)
+    _compat.set_metric_sync_flags(metric, flags)

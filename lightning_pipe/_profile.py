@@ -1,21 +1,20 @@
-"""Timing each backbone module, for ``balance="time"``.
+"""Timing each backbone block, for ``balance="time"``.
 
-The modules are timed one after the other on one microbatch of a real batch, on the device training will use:
-each module is moved there, run forward and backward a few times after a warm-up, and moved back, so the whole
-model never has to fit on the device at once. The last module is timed together with the loss the user's
-``training_step`` computes from its output, since the last stage runs that too: a cross-entropy over a large
-vocabulary costs as much as a block. Buffers (BatchNorm statistics) and the random number generators are
-restored afterwards, and gradients are cleared: profiling leaves no trace in training (the strategy also sets
-torchmetrics states aside around it).
+:func:`measure_backbone` runs the user's step on one microbatch of a real batch, on the device training will use,
+with each block timed (forward and backward) on its real arguments as the step calls it: each block is moved there
+for its turn and moved back, so the whole backbone never has to fit on the device at once. The code before the
+backbone is counted with the first block and the code after it (head, the ``training_step`` loss) with the last,
+since those stages run it too: a cross-entropy over a large vocabulary costs as much as a block. Buffers (BatchNorm
+statistics) and the random number generators are restored afterwards, metrics are set aside and gradients are
+cleared: profiling leaves no trace in training. :func:`time_modules` times a plain list of modules the same way.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import Any, Callable, Optional
+from contextlib import AbstractContextManager, nullcontext
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -24,58 +23,19 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 from lightning_pipe import _compat
-from lightning_pipe._backbone import LocalBackbone, capture_inputs, loss_of, run_with_output, slice_batch
+from lightning_pipe._backbone import Backbone
 from lightning_pipe._logging import LogRecorder
 from lightning_pipe._metrics import metrics_set_aside, module_metrics
 from lightning_pipe._microbatches import MicrobatchPolicy
+from lightning_pipe._program import BlockCalls, HiddenAt, StepProgram, loss_of, replace_hidden, slice_batch
+
+if TYPE_CHECKING:
+    from lightning_pipe._structure import Structure
 
 
-def measure_backbone(
-    module: Any,
-    parent: nn.Module,
-    name: str,
-    backbone: nn.Sequential,
-    *,
-    device: torch.device,
-    microbatches: MicrobatchPolicy,
-    batch_to_device: Callable[[Any], Any],
-    step_context: Callable[[], AbstractContextManager],
-) -> list[float]:
-    """``balance="time"``: every backbone module's forward+backward seconds, measured on global rank 0 on one
-    microbatch of the running stage's first batch and shared with every rank (a collective)."""
-    require_real_weights(list(backbone))  # every rank holds the whole model here, so every rank refuses
-    costs: Optional[list[float]] = None
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        profiled = profiling_batch(module, parent, name, backbone, device, microbatches, batch_to_device)
-        with profiled as (inputs, loss), metrics_set_aside(module_metrics(module)):
-            costs = time_modules(list(backbone), inputs, device, context=step_context, loss=loss)
-        shown = ", ".join(f"{c * 1e3:.2f}" for c in costs)
-        rank_zero_info(f"PipelineStrategy: forward+backward ms per module: {shown}")
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        box = [costs]
-        dist.broadcast_object_list(box, src=0)
-        costs = box[0]
-    assert costs is not None
-    return costs
-
-
-@contextmanager
-def profiling_batch(
-    module: Any,
-    parent: nn.Module,
-    name: str,
-    backbone: nn.Sequential,
-    device: torch.device,
-    microbatches: MicrobatchPolicy,
-    batch_to_device: Callable[[Any], Any],
-) -> Iterator[tuple[torch.Tensor, Optional[Callable[[torch.Tensor], torch.Tensor]]]]:
-    """One microbatch of the first batch of the running stage's data, before the split (for profiling).
-
-    Yields the backbone input of that microbatch, on ``device`` after the batch transfer hooks (``batch_to_device``),
-    and, when fitting, the function that turns the backbone's output on it into the ``training_step`` loss (``None``
-    otherwise: evaluation has no loss). Logs the step makes here are dropped. The module's parts outside the
-    backbone are moved to the device, where training puts them anyway.
-    """
+def first_batch(module: Any, batch_to_device: Callable[[Any], Any]) -> tuple[Callable[..., Any], Any]:
+    """The step the running ``Trainer`` call runs, and the first batch of its data on the device (after the batch
+    transfer hooks, as the step sees it); the loaders' random state is left as it was."""
     trainer = module.trainer
     fn = trainer.state.fn
     loop, step = {
@@ -89,28 +49,121 @@ def profiling_batch(
     loader = loader[0] if isinstance(loader, (list, tuple)) else loader
     with torch.random.fork_rng():
         batch = next(iter(loader))
-    # The step runs as in training: on the device, with the batch passed through the transfer hooks. An empty
-    # stand-in answers the backbone call, so moving the module moves none of the backbone's weights.
-    head = LocalBackbone(backbone, [], len(backbone))
-    setattr(parent, name, head)
-    try:
-        module.to(device)
-        batch = batch_to_device(batch)
-        (inputs,) = capture_inputs(module, head, step, batch, 0)
-        batch_size = int(inputs.shape[0])
+    return step, batch_to_device(batch)
+
+
+def measure_backbone(
+    module: Any,
+    backbone: Backbone,
+    structure: Structure,
+    step: Callable[..., Any],
+    batch: Any,
+    *,
+    device: torch.device,
+    microbatches: MicrobatchPolicy,
+    step_context: Callable[[], AbstractContextManager],
+    repeats: int = 3,
+) -> list[float]:
+    """``balance="time"``: every block's forward+backward seconds, measured on global rank 0 on one microbatch of
+    the first batch and shared with every rank (a collective). The code before the backbone is counted with the
+    first block, the code after it (head, loss) with the last: those stages run it too."""
+    require_real_weights([module])  # every rank holds the whole model here, so every rank refuses
+    costs: Optional[list[float]] = None
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        program = StepProgram(module, backbone, structure, {}, (), device)
+        batch_size = program.batch_size_of(step, batch, 0)
         rows = batch_size // microbatches.for_batch(batch_size)
-        if fn != TrainerFn.FITTING:
-            yield inputs[:rows], None
-            return
         sub_batch = slice_batch(batch, batch_size, 0, rows)
+        samples: list[list[float]] = []
+        devices = [device] if device.type == "cuda" else []
+        saved = [(b, b.detach().clone()) for b in module.buffers()]
+        with torch.random.fork_rng(devices=devices), metrics_set_aside(module_metrics(module)), step_context():
+            try:
+                for attempt in range(repeats + 1):
+                    timed = _profile_step(program, step, sub_batch, device)
+                    if attempt:  # the first run warms up
+                        samples.append(timed)
+            finally:
+                with torch.no_grad():
+                    for buffer, value in saved:
+                        buffer.copy_(value)
+                module.zero_grad(set_to_none=True)
+        costs = [statistics.median(column) for column in zip(*samples)]
+        shown = ", ".join(f"{c * 1e3:.2f}" for c in costs)
+        rank_zero_info(f"PipelineStrategy: forward+backward ms per block: {shown}")
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        box = [costs]
+        dist.broadcast_object_list(box, src=0)
+        costs = box[0]
+    assert costs is not None
+    return costs
 
-        def loss(output: torch.Tensor) -> torch.Tensor:
-            with LogRecorder().installed(module):
-                return loss_of(run_with_output(head, output, step, sub_batch, 0))
 
-        yield inputs[:rows], loss
-    finally:
-        setattr(parent, name, backbone)
+def _profile_step(program: StepProgram, step: Callable[..., Any], sub_batch: Any, device: torch.device) -> list[float]:
+    """One run of the step on ``sub_batch`` with every block timed on ``device``; returns the costs per block."""
+    run = _Profiled(program, device)
+    with program.running(run, ghost_prefix=False):
+        program.module.to(device)  # the blocks are runners now: this moves only what is outside the backbone
+        _sync(device)
+        run.mark = time.perf_counter()
+        with LogRecorder().installed(program.module):
+            result = step(sub_batch, 0)
+        _sync(device)
+        post = time.perf_counter() - run.mark
+        if torch.is_grad_enabled() and isinstance(result, (torch.Tensor, dict)):
+            start = time.perf_counter()
+            loss_of(result).backward()
+            _sync(device)
+            post += time.perf_counter() - start
+    run.costs[-1] += post
+    return run.costs
+
+
+class _Profiled(BlockCalls):
+    """Times each block (forward and backward) on its real arguments, moving it to the device for the purpose."""
+
+    def __init__(self, program: StepProgram, device: torch.device) -> None:
+        super().__init__(program)
+        self.device = device
+        self.costs = [0.0] * len(program.backbone)
+        self.mark = 0.0
+
+    def on_block(self, index: int, block: nn.Module, args: tuple, kwargs: dict, at: HiddenAt, hidden: Any) -> Any:
+        if index == 0:  # the code before the backbone: its forward so far, and its backward
+            _sync(self.device)
+            self.costs[0] += time.perf_counter() - self.mark
+            if isinstance(hidden, torch.Tensor) and hidden.requires_grad:
+                start = time.perf_counter()
+                torch.autograd.backward(hidden, torch.ones_like(hidden))
+                _sync(self.device)
+                self.costs[0] += time.perf_counter() - start
+        home = next((t.device for t in block.parameters()), None) or next((t.device for t in block.buffers()), None)
+        block.to(self.device)
+        saved = [(b, b.detach().clone()) for b in block.buffers()]
+        detached = hidden.detach()
+        inp = detached.requires_grad_(detached.is_floating_point()) if torch.is_grad_enabled() else detached
+        call_args, call_kwargs = replace_hidden(args, kwargs, at, inp)
+        _sync(self.device)
+        start = time.perf_counter()
+        out = block(*call_args, **call_kwargs)
+        if torch.is_grad_enabled():
+            self.program.hidden_of(index, out).float().sum().backward()
+        _sync(self.device)
+        self.costs[index] += time.perf_counter() - start
+        with torch.no_grad():
+            for buffer, value in saved:
+                buffer.copy_(value)
+            block.zero_grad(set_to_none=True)
+            call_args, call_kwargs = replace_hidden(args, kwargs, at, hidden.detach())
+            out = block(*call_args, **call_kwargs)
+        if home is not None:
+            block.to(home)
+        if index == len(self.program.backbone) - 1:  # the code after the backbone is timed from here
+            last = self.program.hidden_of(index, out).detach()
+            out = self.program.output_like(index, last.requires_grad_(last.is_floating_point()))
+            _sync(self.device)
+            self.mark = time.perf_counter()
+        return out
 
 
 def time_modules(

@@ -1,23 +1,24 @@
 """The runtime of one ``fit``/``validate``/``test``/``predict``: everything the strategy builds in ``setup``.
 
-:class:`PipelineRuntime` owns this rank's part of the model (the :class:`~lightning_pipe._backbone.LocalBackbone`
-and its :class:`~lightning_pipe.partition.StageLayout`), the :class:`~lightning_pipe._pipeline.StagePipeline` that
-runs it, the microbatch policy, the channels that carry each step's logs from the last stage, the trainable
-parameters and the gradients kept aside between ``training_step`` and ``backward``. The strategy's hooks call it.
+:class:`PipelineRuntime` owns this rank's part of the model (the cut module and its
+:class:`~lightning_pipe.partition.StageLayout`), the :class:`~lightning_pipe._program.StepProgram` that runs the
+user's step as a stage, the :class:`~lightning_pipe._pipeline.StagePipeline` that drives torch's schedule, the
+microbatch policy, the channels that carry each step's logs from the last stage, and the trainable parameters with
+the gradients kept aside between ``training_step`` and ``backward``. The strategy's hooks call it.
 
 A training batch, from Lightning's loop to the optimizer step:
 
-1. ``Strategy.training_step`` → :meth:`PipelineRuntime.train_batch`. Every rank runs the user's ``training_step`` up
-   to the backbone call to find the backbone input (``capture_inputs``) and the batch size, which fixes the
-   microbatch count (:class:`~lightning_pipe._microbatches.MicrobatchPolicy`).
-2. The schedule runs forward and backward over the microbatches (``StagePipeline.train_step``). The first stage
-   feeds the input; on the last stage the loss function runs the user's ``training_step`` on the microbatch's rows
-   with the backbone call answered by the stage output (:func:`~lightning_pipe._backbone.run_with_output`), and
-   returns ``loss / (microbatches * accumulate_grad_batches)``: exact under gradient accumulation.
-3. The gradients the schedule computed are set aside and the earlier ``.grad`` put back (:class:`Gradients`),
-   because Lightning calls ``zero_grad`` next. The last stage's logs are reduced over the microbatches, sent to every
-   rank of the pipeline (:class:`~lightning_pipe._logging.LogChannel`) and logged there; the full-batch loss is
-   returned on every rank.
+1. ``Strategy.training_step`` → :meth:`PipelineRuntime.train_batch`. Every rank runs the user's ``training_step`` on
+   ghosts up to the first block call, whose hidden state gives the batch size (``StepProgram.batch_size_of``); the
+   microbatch policy (:class:`~lightning_pipe._microbatches.MicrobatchPolicy`) fixes the count.
+2. The schedule runs forward and backward over the microbatches (``StagePipeline.train_step``). Each stage runs the
+   user's step on its microbatch's rows, running only its own blocks; on the last stage the loss function runs the
+   whole step with the last block answered by the stage output (``StepProgram.run_answering``) and returns
+   ``loss / (microbatches * accumulate_grad_batches)``: exact under gradient accumulation.
+3. The gradients the schedule computed are set aside and the earlier ``.grad`` put back (:class:`Gradients`), because
+   Lightning calls ``zero_grad`` next; they are averaged over data-parallel replicas and summed over the ranks that
+   hold a tied parameter. The last stage's logs are reduced over the microbatches, sent to every rank of the pipeline
+   (:class:`~lightning_pipe._logging.LogChannel`) and logged there; the full-batch loss is returned on every rank.
 4. Lightning calls ``zero_grad``, then ``Strategy.backward`` → :meth:`Gradients.hand_back` adds the kept gradients,
    between the ``on_before_backward`` and ``on_after_backward`` hooks.
 5. Lightning's precision plugin clips (by the norm over the pipeline, :mod:`lightning_pipe._precision`) and steps.
@@ -37,11 +38,14 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 
 from lightning_pipe import timeline as _timeline
-from lightning_pipe._backbone import LocalBackbone, capture_inputs, loss_of, run_with_output, slice_batch
+from lightning_pipe._cut import Cut
+from lightning_pipe._ghost import Ghost, GhostValueError, contains_ghost
 from lightning_pipe._logging import LogChannel, LogRecorder, replay
-from lightning_pipe._metrics import module_metrics, per_batch_metrics
+from lightning_pipe._metrics import metrics_set_aside, module_metrics, per_batch_metrics
 from lightning_pipe._microbatches import MicrobatchPolicy
-from lightning_pipe._pipeline import StagePipeline
+from lightning_pipe._pipeline import StageModule, StagePipeline
+from lightning_pipe._program import StepProgram, loss_of
+from lightning_pipe._structure import everything_ghosted
 from lightning_pipe.partition import StageLayout
 from lightning_pipe.schedules import ScheduleSpec
 
@@ -54,24 +58,48 @@ class Gradients:
     Lightning runs ``training_step``, then ``zero_grad``, then ``backward``. The schedule runs backward inside
     ``training_step``, so the gradients it writes would be wiped: they are taken out of ``.grad`` right after the
     schedule (the earlier ``.grad``, accumulated over earlier batches, is put back) and added in ``backward``.
+
+    Args:
+        params: this rank's trainable parameters.
+        replica_group: the data-parallel replicas of this rank (``None`` with one): gradients are averaged over it.
+        tie_groups: ``(group, parameters)`` for the parameters this rank shares with other ranks of its pipeline
+            (tied or reused): their gradients are summed over the group.
     """
 
-    def __init__(self, params: Sequence[nn.Parameter]) -> None:
+    def __init__(
+        self,
+        params: Sequence[nn.Parameter],
+        replica_group: Optional[dist.ProcessGroup] = None,
+        tie_groups: Sequence[tuple[dist.ProcessGroup, list[nn.Parameter]]] = (),
+    ) -> None:
         self.params = list(params)
+        self.replica_group = replica_group
+        self.tie_groups = list(tie_groups)
         self._pending: Optional[list[Optional[Tensor]]] = None
 
     @contextmanager
     def computed_aside(self) -> Iterator[None]:
-        """Let the block write fresh gradients, then keep them aside and restore the earlier ones."""
+        """Let the block write fresh gradients, then keep them aside (synchronised) and restore the earlier ones."""
         previous = [p.grad for p in self.params]
         for p in self.params:
             p.grad = None
         try:
             yield
+            self._synchronise()
         finally:
             self._pending = [p.grad for p in self.params]
             for p, grad in zip(self.params, previous):
                 p.grad = grad
+
+    def _synchronise(self) -> None:
+        if self.replica_group is not None:
+            grads = [p.grad for p in self.params if p.grad is not None]
+            _all_reduce(grads, self.replica_group, average=True)
+        for group, params in self.tie_groups:
+            for p in params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            _all_reduce([p.grad for p in params], group, average=False)
 
     def hand_back(self) -> None:
         """Add the kept gradients to ``.grad`` (called by ``Strategy.backward``, after ``zero_grad``)."""
@@ -94,14 +122,15 @@ class PipelineRuntime:
     """One ``Trainer`` call's pipeline on this rank; built by ``PipelineStrategy.setup``.
 
     Args:
-        module: the LightningModule, already split (its backbone is ``backbone``).
-        backbone: this rank's part of the backbone.
+        module: the LightningModule, already cut (``cut.keep_only``).
+        cut: where every tensor lives.
         schedule: the schedule to run.
-        stage_modules: ``{stage: module}`` for this rank's stages.
         microbatches: the microbatch policy.
-        pp_group: this rank's pipeline (one replica); ``dp_group``: its replicas (``None`` with one).
+        pp_group: this rank's pipeline (one replica); ``dp_group``: its replicas (``sync_dist`` logging reduces over
+            it, gradients are averaged over it).
+        tie_groups: process groups of the tied parameters this rank holds, as :class:`Gradients` takes them.
         device: the device the stages run on.
-        wrap: ``(module, stage) -> module`` that torch's stage runs (activation checkpointing, DDP).
+        checkpointed: which blocks run under activation checkpointing.
         amp_scaler: the precision plugin's ``GradScaler``, if any: the microbatch losses are scaled by it.
         timeline: what ``timeline=`` traces, or ``None``.
     """
@@ -109,47 +138,56 @@ class PipelineRuntime:
     def __init__(
         self,
         module: Any,
-        backbone: LocalBackbone,
+        cut: Cut,
         schedule: ScheduleSpec,
-        stage_modules: dict[int, nn.Module],
         microbatches: MicrobatchPolicy,
         pp_group: dist.ProcessGroup,
-        dp_group: Optional[dist.ProcessGroup],
+        dp_group: dist.ProcessGroup,
+        tie_groups: Sequence[tuple[dist.ProcessGroup, list[nn.Parameter]]],
         device: torch.device,
-        wrap: Callable[[nn.Module, int], nn.Module],
+        checkpointed: Callable[[nn.Module], bool],
         amp_scaler: Any = None,
         timeline: Optional[_timeline.TimelineOptions] = None,
     ) -> None:
         self.module = module
-        self.backbone = backbone
+        self.cut = cut
         self.schedule = schedule
         self.microbatches = microbatches
         self.device = device
         self.dp_group = dp_group
         self.amp_scaler = amp_scaler
         self.timeline = timeline
+        layout = cut.layout
+        rank = dist.get_rank(pp_group)
+        bounds = {s: layout.bounds[s] for s in layout.rank_stages(rank)}
+        self.program = StepProgram(
+            module, cut.backbone, cut.structure, bounds, cut.prefix_swaps(rank), device, checkpointed
+        )
+        stage_modules = {s: StageModule(self.program, s, cut.stage_parameters(s)) for s in bounds}
         self.pipeline = StagePipeline(
-            stage_modules, backbone.layout, schedule, microbatches.nominal, pp_group, device, wrap=wrap
+            stage_modules, layout, schedule, microbatches.nominal, pp_group, device, self._probe
         )
         self.pipeline.check_schedule()
-        channel = (pp_group, self.pipeline.last_stage_rank, self.layout.pipeline_size, device)
+        channel = (pp_group, self.pipeline.last_stage_rank, layout.pipeline_size, device)
         self._train_channel, self._eval_channel = LogChannel(*channel), LogChannel(*channel)
-        self.gradients = Gradients([p for p in module.parameters() if p.requires_grad])
+        trainable = [p for p in module.parameters() if p.requires_grad]
+        replicas = dp_group if dist.get_world_size(dp_group) > 1 else None
+        self.gradients = Gradients(trainable, replicas, tie_groups)
         self._timeline_done = False
 
     @property
     def layout(self) -> StageLayout:
-        return self.backbone.layout
+        return self.cut.layout
 
     # ------------------------------------------------------------------------------------------------ training
     def train_batch(self, batch: Any, *rest: Any, **kwargs: Any) -> Tensor:
         """Forward and backward of one training batch; returns the full-batch loss on every rank. The gradients are
         kept aside until :meth:`Gradients.hand_back`."""
-        module, backbone, pipeline = self.module, self.backbone, self.pipeline
+        module, program, pipeline = self.module, self.program, self.pipeline
         step = module.training_step
-        inputs = capture_inputs(module, backbone, step, batch, *rest, **kwargs)
-        batch_size = int(inputs[0].shape[0])
+        batch_size = program.batch_size_of(step, batch, *rest, **kwargs)
         num_microbatches = self.microbatches.for_batch(batch_size)
+        program.set_batch(step, batch, batch_size, *rest, **kwargs)
         # Lightning divides the returned loss by `accumulate_grad_batches` and back-propagates that; the schedule
         # back-propagates each microbatch loss, so scale it by the same factor and by the microbatch count.
         grad_scale = 1.0 / (num_microbatches * module.trainer.accumulate_grad_batches)
@@ -157,49 +195,91 @@ class PipelineRuntime:
         losses: list[Tensor] = []
 
         def microbatch_loss(output: Tensor, rows: Tensor) -> Tensor:
-            start, stop = int(rows[0]), int(rows[-1]) + 1
-            sub_batch = slice_batch(batch, batch_size, start, stop)
-            recorder.rows = stop - start
+            recorder.rows = len(rows)
+            # A view: zero-bubble schedules detach the stage output in place between the input and the weight
+            # gradients, and the weight gradients of the head after the backbone need what the head saw.
+            output = output.view_as(output)
             with recorder.installed(module):
-                result = run_with_output(backbone, output, step, sub_batch, *rest, **kwargs)
+                result = program.run_answering(output, step, program.sub_batch(rows), *rest, **kwargs)
             loss = loss_of(result)
             losses.append(loss.detach())
             loss = loss * grad_scale
             return self.amp_scaler.scale(loss) if self.amp_scaler is not None else loss
 
-        recorder_for_step = self._timeline_recorder()
+        tracer = self._timeline_recorder()
         metrics = module_metrics(module) if pipeline.has_last_stage else []  # only the last stage runs the step
+        sample = program.sub_batch(torch.arange(batch_size // num_microbatches))
         with per_batch_metrics(metrics, num_microbatches), self.gradients.computed_aside():
-            pipeline.train_step(inputs, num_microbatches, microbatch_loss, recorder_for_step)
+            self._sync_buffers()
+            pipeline.train_step(sample, batch_size, num_microbatches, microbatch_loss, tracer)
         payload = None
         if pipeline.has_last_stage:
             payload = (torch.stack(losses).mean(), recorder.reduce(module, metrics))
         loss, entries = self._train_channel.share(payload)
         replay(module, entries, self.device, self.dp_group)
-        if recorder_for_step is not None:
-            self._report_timeline(recorder_for_step)
+        if tracer is not None:
+            self._report_timeline(tracer)
         return loss.to(self.device)
 
     # ------------------------------------------------------------------------------------------------ evaluation
     def eval_batch(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """A forward-only pass of one batch through ``step`` (``validation_step``, ...); returns the step's result on
         every rank."""
-        module, backbone, pipeline = self.module, self.backbone, self.pipeline
-        inputs = capture_inputs(module, backbone, step, *args, **kwargs)
-        num_microbatches = self.microbatches.for_batch(int(inputs[0].shape[0]))
-        output = pipeline.eval_step(inputs, num_microbatches)
+        module, program, pipeline = self.module, self.program, self.pipeline
+        batch, *rest = args
+        batch_size = program.batch_size_of(step, *args, **kwargs)
+        num_microbatches = self.microbatches.for_batch(batch_size)
+        program.set_batch(step, batch, batch_size, *rest, **kwargs)
+        sample = program.sub_batch(torch.arange(batch_size // num_microbatches))
+        output = pipeline.eval_step(sample, batch_size, num_microbatches)
         payload = None
         if pipeline.has_last_stage:
             recorder = LogRecorder()
-            recorder.rows = int(inputs[0].shape[0])
+            recorder.rows = batch_size
             with recorder.installed(module):
-                result = run_with_output(backbone, output, step, *args, **kwargs)
+                result = program.run_answering(output, step, *args, **kwargs)
+            if contains_ghost(result):
+                raise _ghost_result(step)
             payload = (result, recorder.reduce(module))
         result, entries = self._eval_channel.share(payload)
         replay(module, entries, self.device, self.dp_group)
         return apply_to_collection(result, Tensor, lambda t: t.to(self.device))
 
-    # ------------------------------------------------------------------------------------------------ timeline
+    # ------------------------------------------------------------------------------------------------ helpers
+    def _probe(self, stage: int, rows: Tensor, received: Optional[tuple]) -> tuple:
+        """The output ``(shape, dtype)`` of ``stage`` on the microbatch ``rows``, for an input of ``received``'s.
+
+        The stage runs on ghosts: no compute, nothing changes (buffers, random state, metrics). A stage that cannot
+        (a block with value-dependent shapes) runs once for real on a zero input, without gradients, and everything
+        it touched is put back."""
+        module, program = self.module, self.program
+        ghost_in = None
+        if received is not None:
+            ghost_in = Ghost(torch.empty(received[0], dtype=received[1], device="meta"), self.device)
+        with torch.no_grad(), everything_ghosted(module, self.device), metrics_set_aside(module_metrics(module)):
+            try:
+                out = program.run_stage(stage, rows, ghost_in, probing=True)
+                return tuple(out.shape), out.dtype
+            except (GhostValueError, NotImplementedError, RuntimeError) as err:
+                log.debug("stage %d does not run on ghosts (%s): measuring its shapes for real", stage, err)
+        real_in = None if received is None else torch.zeros(received[0], dtype=received[1], device=self.device)
+        buffers = [(b, b.detach().clone()) for b in module.buffers()]
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.no_grad(), torch.random.fork_rng(devices=devices), metrics_set_aside(module_metrics(module)):
+            try:
+                out = program.run_stage(stage, rows, real_in)
+                return tuple(out.shape), out.dtype
+            finally:
+                for buffer, saved in buffers:
+                    buffer.copy_(saved)
+
+    def _sync_buffers(self) -> None:
+        """With several replicas, start each batch from replica 0's buffers (BatchNorm statistics), as DDP does."""
+        if dist.get_world_size(self.dp_group) == 1:
+            return
+        for buffer in self.module.buffers():
+            dist.broadcast(buffer, group_src=0, group=self.dp_group)
+
     def _timeline_recorder(self) -> Optional[_timeline.TimelineRecorder]:
         """A recorder if this is the batch ``timeline=`` asks for: the first one of that ``global_step``."""
         options = self.timeline
@@ -231,3 +311,30 @@ class PipelineRuntime:
             f"PipelineStrategy timeline of step {trainer.global_step}: measured bubble {summary['bubble_fraction']:.1%}"
             f"{ideal} over {summary['span_s'] * 1e3:.1f} ms; wrote {', '.join(summary['files']) or 'nothing'}"
         )
+
+
+def _all_reduce(tensors: list[Tensor], group: dist.ProcessGroup, average: bool) -> None:
+    """Sum (or average) ``tensors`` in place over ``group``, one flat buffer per dtype and device."""
+    by_kind: dict[tuple, list[Tensor]] = {}
+    for t in tensors:
+        by_kind.setdefault((t.dtype, t.device), []).append(t)
+    size = dist.get_world_size(group)
+    for group_tensors in by_kind.values():
+        flat = torch.cat([t.reshape(-1) for t in group_tensors])
+        dist.all_reduce(flat, group=group)
+        if average:
+            flat /= size
+        offset = 0
+        for t in group_tensors:
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+
+def _ghost_result(step: Callable[..., Any]) -> Exception:
+    from lightning_pipe._backbone import BackboneCallError
+
+    name = getattr(step, "__name__", "the step")
+    return BackboneCallError(
+        f"`{name}` returns values the last pipeline stage does not compute (from before the backbone, or from a block"
+        " other than the last). Return values computed from the backbone's output and the batch."
+    )

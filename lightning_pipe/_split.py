@@ -1,26 +1,34 @@
-"""Cutting the LightningModule at setup: checks that the module can be pipelined, then the split itself.
+"""Cutting the LightningModule at setup: checks that it can be pipelined, then the cut itself.
 
-:func:`refuse_unsupported` names what cannot run in a pipeline and how to change it. :func:`split_backbone`
-replaces the user's backbone by this rank's :class:`~lightning_pipe._backbone.LocalBackbone`, with a layout
-computed from the modules' parameter counts or, for ``balance="time"``, from their measured times.
+:func:`refuse_unsupported` names what cannot run in a pipeline and how to change it. :func:`cut_module` finds the
+backbone (:mod:`lightning_pipe._backbone`), learns from one ghost run of the step how the step uses the model
+(:mod:`lightning_pipe._structure`), splits the blocks into stages (:mod:`lightning_pipe.partition`, with costs from
+parameter counts or, for ``balance="time"``, measured times), and leaves this rank with only its share of the
+tensors (:mod:`lightning_pipe._cut`). A module cut before (``fit``, then ``validate``) is reused.
 """
 
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any, Callable, Union
 
+import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torchmetrics import Metric
 
-from lightning_pipe._backbone import LocalBackbone, resolve_backbone
+from lightning_pipe._backbone import BackboneCallError, find_backbone
+from lightning_pipe._cut import Cut
+from lightning_pipe._structure import Structure, analyze
 from lightning_pipe.partition import make_layout
 from lightning_pipe.schedules import ScheduleSpec
 
 log = logging.getLogger(__name__)
 
 _Balance = Union[str, list[int]]
+#: The cut of every module split in this process (kept while the module lives; nothing is stored on the module).
+_cuts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def refuse_unsupported(
@@ -49,50 +57,77 @@ def refuse_unsupported(
         )
 
 
-def split_backbone(
+def cut_module(
     module: nn.Module,
-    path: str,
+    backbone_spec: Union[str, list[str]],
     *,
     pipeline_parallel_size: int,
     stages_per_rank: int,
     pipeline_rank: int,
     schedule: ScheduleSpec,
     balance: _Balance,
-    measure: Callable[[nn.Module, str, nn.Sequential], list[float]],
-) -> LocalBackbone:
-    """Replace the backbone at ``path`` by this rank's stages; a module split before (fit, then validate) is reused.
+    device: torch.device,
+    fitting: bool,
+    sample: Callable[[], tuple[Callable[..., Any], Any]],
+    measure: Callable[[Any, Structure, Callable[..., Any], Any], list[float]],
+) -> Cut:
+    """Cut ``module`` for this rank; returns the :class:`~lightning_pipe._cut.Cut`.
 
-    ``measure(parent, name, backbone)`` times every backbone module, for ``balance="time"``.
+    Args:
+        sample: returns the running step and a batch of its data on the device (the step is analysed on it).
+        measure: ``(backbone, structure, step, batch) -> seconds per block``, for ``balance="time"``.
     """
-    parent, name, backbone = resolve_backbone(module, path)
     pp, rank, style = pipeline_parallel_size, pipeline_rank, schedule.placement
-    if isinstance(backbone, LocalBackbone):
-        layout = backbone.layout
-        same = (layout.pipeline_size, layout.stages_per_rank, layout.style) == (pp, stages_per_rank, style)
-        if not same or backbone.indices != layout.rank_modules(rank):
+    previous = _cuts.get(module)
+    if previous is not None:
+        layout = previous.layout
+        if (layout.pipeline_size, layout.stages_per_rank, layout.style) != (pp, stages_per_rank, style):
             raise ValueError(
-                f"The backbone was already split for another pipeline ({layout.describe()}). Create a new"
+                f"The module was already split for another pipeline ({layout.describe()}). Create a new"
                 " LightningModule (or load it from a checkpoint) to run it with a different pipeline layout."
             )
-        log.debug("pipeline rank %d: reusing the split backbone: %s", rank, layout.describe())
-        return backbone
-    inside = {id(p) for p in backbone.parameters()}
-    outside = [n for n, p in module.named_parameters() if p.requires_grad and id(p) not in inside]
-    if outside:
-        raise ValueError(
-            f"`PipelineStrategy` trains only the pipelined backbone `{path}`, but these trainable"
-            f" parameters are outside it: {outside[:5]}{' ...' if len(outside) > 5 else ''}. Move those modules"
-            " into the backbone `nn.Sequential`, or freeze them with `requires_grad_(False)`."
-        )
+        log.debug("pipeline rank %d: reusing the split module: %s", rank, layout.describe())
+        return previous
+    backbone = find_backbone(module, backbone_spec)
+    step, batch = sample()
+    structure = analyze(module, backbone, step, (batch, 0), device, training=fitting)
     if balance == "time":
-        costs = measure(parent, name, backbone)
+        costs = measure(backbone, structure, step, batch)
     else:
-        costs = [sum(p.numel() for p in m.parameters()) for m in backbone]
+        costs = _parameter_costs(module, backbone, structure)
     layout = make_layout(costs, pp, stages_per_rank, balance, style)
-    local = LocalBackbone(backbone, layout.rank_modules(rank), len(backbone))
-    local.layout = layout
-    del backbone  # the other ranks' modules: on the meta device they were never allocated
-    setattr(parent, name, local)
+    _refuse_parameter_arguments(backbone, structure, layout)
+    cut = Cut(module, backbone, structure, layout)
+    cut.keep_only(rank, device)
+    _cuts[module] = cut
     rank_zero_info(f"PipelineStrategy ({schedule.name}): {layout.describe()}")
-    log.debug("pipeline rank %d: split backbone `%s`, keeping modules %s", rank, path, local.indices)
-    return local
+    log.debug("%s", cut.describe(rank))
+    return cut
+
+
+def _parameter_costs(module: nn.Module, backbone: Any, structure: Structure) -> list[float]:
+    """Parameters per block; those of the code before the backbone count with the first block, the rest outside the
+    backbone with the last."""
+    inside: set[int] = set()
+    costs = []
+    for i in range(len(backbone)):
+        params = {id(p): p for p in backbone.module(i).parameters()}
+        inside.update(params)
+        costs.append(float(sum(p.numel() for p in params.values())))
+    for p in {id(p): p for p in module.parameters()}.values():
+        if id(p) not in inside:
+            costs[0 if id(p) in structure.prefix_params else -1] += p.numel()
+    return costs
+
+
+def _refuse_parameter_arguments(backbone: Any, structure: Structure, layout: Any) -> None:
+    for index, names in sorted(structure.param_extras.items()):
+        stage = layout.stage_of_block(index)
+        if stage > 0:
+            raise BackboneCallError(
+                f"Block `{backbone.blocks[index].name}` runs on stage {stage}, but its argument(s)"
+                f" {', '.join(names)} are computed from parameters (e.g. from the embedding's output, or from an"
+                " earlier block's output). Only the hidden state travels between stages; a block's other arguments"
+                " must be computable from the batch and buffers on every stage (masks, position ids, rotary"
+                " tables). Compute them from the batch, or move that computation into the blocks."
+            )

@@ -1,38 +1,22 @@
-"""Building this rank's stage modules: materialising them from the meta device, activation checkpointing, and
-data parallelism over replicas.
-
-The modules are the user's own objects (shared with the LightningModule, so ``state_dict`` keeps the original
-names); the wrappers exist only in the stage that torch's pipeline runs.
+"""This rank's stages at setup: materialising what it holds from the meta device, and choosing the blocks that run
+under activation checkpointing.
 """
 
 from __future__ import annotations
 
 import itertools
 import os
-from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Callable, Optional, Union
+from typing import Callable, Union
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
-from torch.utils.checkpoint import checkpoint
 from torchmetrics import Metric
 
-from lightning_pipe._backbone import LocalBackbone
+from lightning_pipe._backbone import Backbone, find_backbone
 
 Checkpointing = Union[bool, list[str], Callable[[nn.Module], bool]]
-
-
-def stage_modules(backbone: LocalBackbone, pipeline_rank: int) -> dict[int, nn.Sequential]:
-    """``{stage: nn.Sequential}`` of the stages ``pipeline_rank`` runs, over the backbone's own modules."""
-    layout = backbone.layout
-    return {
-        stage: nn.Sequential(OrderedDict((str(i), backbone.module_at(i)) for i in range(*layout.bounds[stage])))
-        for stage in layout.rank_stages(pipeline_rank)
-    }
 
 
 # ---------------------------------------------------------------------------------------------- materialising
@@ -41,25 +25,33 @@ def init_seed() -> int:
     return int(os.environ.get("PL_GLOBAL_SEED", 0))
 
 
-def materialize_local(module: nn.Module, backbone: LocalBackbone, device: torch.device) -> None:
-    """Allocate and initialise the tensors that are still on the meta device, after the split.
+def materialize(module: nn.Module, device: torch.device, backbone: Union[str, list[str]] = "auto") -> None:
+    """Materialise a whole (unsplit) module built on the meta device exactly as the pipeline materialises each
+    rank's share of it (:func:`materialize_local`): the reference for a pipelined run started from the meta device."""
+    materialize_local(module, find_backbone(module, backbone), device)
 
-    Backbone module ``i`` is initialised with its ``reset_parameters()`` under the seed ``init_seed() + i``, so
-    its weights are the same whatever the pipeline size, and equal to those of an unsplit model materialised
-    the same way (:func:`materialize_backbone`). Modules outside the backbone use ``init_seed() + len(backbone)``.
+
+def materialize_local(module: nn.Module, backbone: Backbone, device: torch.device) -> None:
+    """Allocate and initialise the tensors of ``module`` that are still on the meta device (after the cut: only
+    this rank's).
+
+    Backbone block ``i`` is initialised with its modules' ``reset_parameters()`` under the seed ``init_seed() + i``,
+    so its weights are the same whatever the pipeline size, and equal to those of an unsplit model materialised the
+    same way (:func:`materialize`). The ``k``-th module outside the backbone with tensors of its own uses
+    ``init_seed() + len(backbone) + k``. A tensor shared by several modules (a tied head) keeps the value the first of
+    them gives it.
     """
     if not _has_meta(module):
         return
     seed = init_seed()
     missing: set[str] = set()
-    for index in backbone.indices:
-        _init_seeded(backbone.module_at(index), device, seed + index, missing)
-    inside = {id(m) for m in backbone.modules()}
-    rest = [m for m in module.modules() if id(m) not in inside and not isinstance(m, Metric) and _has_meta(m, False)]
-    with _seeded(device, seed + backbone.num_modules):
-        for sub in rest:
-            sub.to_empty(device=device, recurse=False)
-            _reset(sub, missing)
+    initialised: set[int] = set()
+    for index in range(len(backbone)):
+        _init_seeded(backbone.module(index), device, seed + index, missing, initialised)
+    inside = {id(m) for i in range(len(backbone)) for m in backbone.module(i).modules()}
+    owners = [m for m in module.modules() if id(m) not in inside and not isinstance(m, Metric) and _owns_tensors(m)]
+    for k, sub in enumerate(owners):
+        _init_seeded(sub, device, seed + len(backbone) + k, missing, initialised, recurse=False)
     if missing:
         raise TypeError(
             f"The model was built on the meta device, but {sorted(missing)} define no `reset_parameters()`, so their"
@@ -68,23 +60,33 @@ def materialize_local(module: nn.Module, backbone: LocalBackbone, device: torch.
         )
 
 
-def materialize_backbone(backbone: nn.Sequential, device: torch.device, seed: Optional[int] = None) -> None:
-    """Materialise a whole (unsplit) meta backbone exactly as the pipeline materialises its stages."""
-    seed = init_seed() if seed is None else seed
-    missing: set[str] = set()
-    for index, sub in enumerate(backbone):
-        _init_seeded(sub, device, seed + index, missing)
-    if missing:
-        raise TypeError(f"{sorted(missing)} define no `reset_parameters()`.")
-
-
-def _init_seeded(sub: nn.Module, device: torch.device, seed: int, missing: set[str]) -> None:
-    if not _has_meta(sub):
+def _init_seeded(
+    sub: nn.Module, device: torch.device, seed: int, missing: set[str], initialised: set[int], recurse: bool = True
+) -> None:
+    """Initialise ``sub``'s meta tensors under ``seed``; tensors already initialised (shared) keep their values."""
+    if not _has_meta(sub, recurse):
         return
+    tensors = list(itertools.chain(sub.parameters(recurse=recurse), sub.buffers(recurse=recurse)))
+    kept = [(t, t.detach().clone()) for t in tensors if id(t) in initialised]
     with _seeded(device, seed):
-        sub.to_empty(device=device)
-        for m in sub.modules():
+        _to_empty(sub, device, recurse)
+        for m in sub.modules() if recurse else [sub]:
             _reset(m, missing)
+    with torch.no_grad():
+        for tensor, value in kept:
+            tensor.copy_(value)
+    initialised.update(id(t) for t in tensors)
+
+
+def _to_empty(module: nn.Module, device: torch.device, recurse: bool = True) -> None:
+    """Give every meta parameter and buffer of ``module`` (uninitialised) memory on ``device``, keeping each tensor
+    object: unlike ``Module.to_empty``, a parameter shared by two modules (a tied head) stays one parameter."""
+    for tensor in itertools.chain(module.parameters(recurse=recurse), module.buffers(recurse=recurse)):
+        if tensor.is_meta:
+            real = torch.empty_like(tensor, device=device)
+            if isinstance(tensor, nn.Parameter):
+                real = nn.Parameter(real, requires_grad=tensor.requires_grad)
+            torch.utils.swap_tensors(tensor, real)
 
 
 def _reset(m: nn.Module, missing: set[str]) -> None:
@@ -110,56 +112,21 @@ def _has_meta(module: nn.Module, recurse: bool = True) -> bool:
     return any(t.is_meta for t in tensors)
 
 
-# ---------------------------------------------------------------------------------------------- wrapping
-class Recompute(nn.Module):
-    """Runs ``inner`` under ``torch.utils.checkpoint``: activations are recomputed in backward, not kept."""
-
-    def __init__(self, inner: nn.Module) -> None:
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not torch.is_grad_enabled():
-            return self.inner(x)
-        return checkpoint(self.inner, x, use_reentrant=False)
+def _owns_tensors(module: nn.Module) -> bool:
+    return any(v is not None for v in itertools.chain(module._parameters.values(), module._buffers.values())) or any(
+        isinstance(v, torch.Tensor) for v in vars(module).values()
+    )
 
 
-def wrap_stage(
-    module: nn.Sequential,
-    stage: int,
-    *,
-    backbone: LocalBackbone,
-    checkpointing: Checkpointing,
-    replica_group: Optional[dist.ProcessGroup],
-    device: torch.device,
-) -> nn.Module:
-    """The module torch's ``PipelineStage`` runs for ``stage``: with activation checkpointing on the selected
-    backbone modules and, with several replicas, DistributedDataParallel over the replica group (torch's
-    pipelining drives DDP's ``no_sync`` and reduces once per batch). Wrappers are made once per backbone and
-    reused when the Trainer sets up again, so DDP never registers its gradient hooks twice."""
-    cache = backbone.stage_wrappers
-    key = (stage, replica_group is not None, id(checkpointing) if callable(checkpointing) else repr(checkpointing))
-    if key in cache:
-        return cache[key]
-    wrapped: nn.Module = module
-    if checkpointing:
-        wrapped = nn.Sequential(
-            OrderedDict(
-                (name, Recompute(child) if _selected(child, checkpointing) else child)
-                for name, child in module.named_children()
-            )
-        )
-    if replica_group is not None and any(p.requires_grad for p in wrapped.parameters()):
-        wrapped = DistributedDataParallel(
-            wrapped, process_group=replica_group, device_ids=[device.index] if device.type == "cuda" else None
-        )
-    cache[key] = wrapped
-    return wrapped
-
-
-def _selected(module: nn.Module, checkpointing: Checkpointing) -> bool:
-    if checkpointing is True:
-        return True
-    if callable(checkpointing):
-        return bool(checkpointing(module))
-    return type(module).__name__ in set(checkpointing)
+# ---------------------------------------------------------------------------------------------- checkpointing
+def checkpointed_blocks(option: Checkpointing) -> Callable[[nn.Module], bool]:
+    """Which blocks ``activation_checkpointing=`` selects: all (``True``), those of the named classes, those a
+    callable accepts, or none."""
+    if option is True:
+        return lambda block: True
+    if not option:
+        return lambda block: False
+    if callable(option):
+        return lambda block: bool(option(block))
+    names = set(option)
+    return lambda block: type(block).__name__ in names

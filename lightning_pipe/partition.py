@@ -47,6 +47,13 @@ class StageLayout:
             return self.pipeline_size - 1 - offset
         return offset
 
+    def stage_of_block(self, index: int) -> int:
+        """The stage that holds backbone module ``index``."""
+        for stage, (start, stop) in enumerate(self.bounds):
+            if start <= index < stop:
+                return stage
+        raise IndexError(f"Module {index} is outside the {self.bounds[-1][1]} modules of this layout.")
+
     def rank_stages(self, pipeline_rank: int) -> list[int]:
         """The stages that ``pipeline_rank`` runs, in increasing order."""
         return [s for s in range(self.num_stages) if self.stage_rank(s) == pipeline_rank]

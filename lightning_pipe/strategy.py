@@ -36,11 +36,13 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from typing_extensions import override
 
 from lightning_pipe import _compat, _stage
+from lightning_pipe._cut import Cut
 from lightning_pipe._microbatches import MicrobatchPolicy
 from lightning_pipe._precision import PipelinePrecision, pipeline_precision
-from lightning_pipe._profile import measure_backbone
+from lightning_pipe._profile import first_batch, measure_backbone
 from lightning_pipe._runtime import PipelineRuntime
-from lightning_pipe._split import refuse_unsupported, split_backbone
+from lightning_pipe._split import cut_module, refuse_unsupported
+from lightning_pipe._summary import summarize_whole_model
 from lightning_pipe.checkpoint import _dcp, _files
 from lightning_pipe.partition import BALANCE_MODES, StageLayout, resolve_sizes
 from lightning_pipe.schedules import SCHEDULES, ScheduleSpec, schedule_spec
@@ -65,7 +67,7 @@ class _Options:
     num_microbatches: _Size
     schedule: ScheduleSpec
     stages_per_rank: int
-    backbone: str
+    backbone: Union[str, list[str]]
     balance: Union[str, list[int]]
     activation_checkpointing: Any
     timeline: Optional[TimelineOptions]
@@ -98,7 +100,13 @@ class PipelineStrategy(ParallelStrategy):
         stages_per_rank: virtual stages per process. ``"auto"``: 1 for single-stage schedules (1F1B, GPipe), 2
             for multi-stage ones. Stage ``s`` runs on pipeline rank ``s % pipeline_parallel_size`` (zig-zag for
             the V schedules, as torch expects).
-        backbone: dotted attribute path of the ``nn.Sequential`` to pipeline. Default ``"backbone"``.
+        backbone: the blocks to pipeline: the dotted path of an ``nn.Sequential`` the model calls, or of an
+            ``nn.ModuleList``/``nn.Sequential``/``nn.ModuleDict`` its code loops over (``"model.layers"``,
+            ``"transformer.h"``, ``"blocks"``), or a list of consecutive containers (``["layer1", ..., "layer4"]``).
+            ``"auto"`` (default): a ``backbone`` attribute if there is one, else the longest container of repeated
+            blocks (said at setup; refused, listing the candidates, when two are equally long). Modules outside the
+            backbone train too: those the step runs before it live on the first stage, the rest on the last; a
+            parameter used on both ends (a head tied to the embedding) lives on both, with its gradients summed.
         balance: how modules are assigned to stages: ``"uniform"`` (same module count per stage, the first
             stages take the remainder), ``"parameters"`` (minimise the largest stage's parameter count), ``"time"``
             (before training, rank 0 times each module's forward+backward on one microbatch of the first batch on
@@ -135,7 +143,7 @@ class PipelineStrategy(ParallelStrategy):
         num_microbatches: _Size = "auto",
         schedule: str = "1F1B",
         stages_per_rank: _Size = "auto",
-        backbone: str = "backbone",
+        backbone: Union[str, list[str]] = "auto",
         balance: Union[str, list[int]] = "uniform",
         activation_checkpointing: Union[bool, list[str], Callable[[nn.Module], bool]] = False,
         accelerator: Optional[Accelerator] = None,
@@ -162,6 +170,7 @@ class PipelineStrategy(ParallelStrategy):
         self._timeout = timeout
         self._device_mesh: Optional[DeviceMesh] = None
         self._runtime: Optional[PipelineRuntime] = None
+        self._tie_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
         self.num_nodes = 1
 
     # ------------------------------------------------------------------ properties
@@ -306,34 +315,56 @@ class PipelineStrategy(ParallelStrategy):
         )
         microbatches = MicrobatchPolicy(options.num_microbatches, options.schedule, pp, options.stages_per_rank)
         measure = functools.partial(
-            measure_backbone, module, device=device, microbatches=microbatches, batch_to_device=self.batch_to_device,
+            measure_backbone, module, device=device, microbatches=microbatches,
             step_context=self.precision_plugin.train_step_context,
         )
-        backbone = split_backbone(
+        cut = cut_module(
             module, options.backbone, pipeline_parallel_size=pp, stages_per_rank=options.stages_per_rank,
-            pipeline_rank=rank, schedule=options.schedule, balance=options.balance, measure=measure,
+            pipeline_rank=rank, schedule=options.schedule, balance=options.balance, device=device, fitting=fitting,
+            sample=lambda: first_batch(module, self.batch_to_device), measure=measure,
         )
-        _stage.materialize_local(module, backbone, device)
+        _stage.materialize_local(module, cut.backbone, device)
+        trainer.callbacks = summarize_whole_model(trainer.callbacks, cut.param_counts)
         self.model = self.precision_plugin.convert_module(module)
+        cut.convert_ghosts(rank, self.precision_plugin.convert_module)
         self.model_to_device()
-        dp_group = mesh.get_group("dp") if self.data_parallel_size > 1 else None
-        wrap = functools.partial(
-            _stage.wrap_stage, backbone=backbone, checkpointing=options.activation_checkpointing,
-            replica_group=dp_group, device=device,
-        )
+        ties = self._tie_groups_of(cut)
         self._runtime = PipelineRuntime(
-            module, backbone, options.schedule, _stage.stage_modules(backbone, rank), microbatches,
-            mesh.get_group("pp"), mesh.get_group("dp"), device, wrap,
+            module, cut, options.schedule, microbatches, mesh.get_group("pp"), mesh.get_group("dp"), ties, device,
+            _stage.checkpointed_blocks(options.activation_checkpointing),
             amp_scaler=getattr(self.precision_plugin, "scaler", None), timeline=options.timeline,
         )
         assert isinstance(self.precision_plugin, PipelinePrecision)
-        self.precision_plugin.connect_pipeline(mesh.get_group("pp"))
+        counted_once = {id(p) for group, params in ties for p in params if dist.get_rank(group) != 0}
+        self.precision_plugin.connect_pipeline(mesh.get_group("pp"), counted=lambda p: id(p) not in counted_once)
         if fitting:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if fitting:
             _compat.optimizers_to_device(self.optimizers, device)
         log.debug("rank %d: setup done for %s", self.global_rank, trainer.state.fn)
+
+    def _tie_groups_of(self, cut: Cut) -> list[tuple[dist.ProcessGroup, list[nn.Parameter]]]:
+        """A process group for every set of pipeline ranks sharing a parameter (in each replica), with this rank's
+        shared parameters; the copies start equal (the first rank's). Every rank creates every group, in order."""
+        mesh = self.device_mesh.mesh  # [replica][pipeline rank] -> global rank
+        by_ranks: dict[tuple[int, ...], list[tuple[str, int]]] = {}
+        for name, ranks, source in cut.ties():
+            by_ranks.setdefault(tuple(sorted(ranks)), []).append((name, source))
+        held = {cut.names.first_name[id(p)]: p for p in self.lightning_module.parameters()}
+        result = []
+        for ranks, shared in sorted(by_ranks.items()):
+            for replica in range(mesh.shape[0]):
+                members = tuple(int(mesh[replica][r]) for r in ranks)
+                if members not in self._tie_groups:
+                    self._tie_groups[members] = dist.new_group(list(members))
+                if self.global_rank in members:
+                    group = self._tie_groups[members]
+                    for name, source in shared:
+                        dist.broadcast(held[name].data, group_src=ranks.index(source), group=group)
+                    result.append((group, [held[name] for name, _ in shared]))
+        log.debug("rank %d: %d tied parameter groups", self.global_rank, len(result))
+        return result
 
     @override
     def model_to_device(self) -> None:
@@ -434,29 +465,28 @@ class PipelineStrategy(ParallelStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         if storage_options is not None:
             raise TypeError(f"`{type(self).__name__}.save_checkpoint(..., storage_options=...)` is not supported.")
-        layout = self.layout
+        cut = self.runtime.cut
+        layout = cut.layout
         stored_layout = {
             "bounds": [list(b) for b in layout.bounds],
             "pipeline_parallel_size": layout.pipeline_size,
             "data_parallel_size": self.data_parallel_size,
             "stages_per_rank": layout.stages_per_rank,
             "style": layout.style,
-            "backbone": self._options.backbone,
+            "backbone": list(cut.backbone.paths),
         }
         _dcp.save(
             checkpoint, self.broadcast(filepath), module=self.lightning_module, optimizers=self.optimizers,
-            layout=stored_layout, backbone_prefix=self._options.backbone + ".", is_global_zero=self.is_global_zero,
-            barrier=self.barrier,
+            names=cut.names, layout=stored_layout, is_global_zero=self.is_global_zero, barrier=self.barrier,
         )
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         module = self.lightning_module
         return _dcp.load(
-            self.broadcast(checkpoint_path), module=module, optimizers=self.optimizers,
+            self.broadcast(checkpoint_path), module=module, optimizers=self.optimizers, names=self.runtime.cut.names,
             fitting=module.trainer.state.fn == TrainerFn.FITTING, weights_only=weights_only,
             checkpoint_io=self.checkpoint_io, global_rank=self.global_rank,
-            backbone_prefix=self._options.backbone + ".",
         )
 
     @override

@@ -29,10 +29,32 @@ class RaisesInStep(models.TinyLM):
         return loss
 
 
-class ExtraParam(models.TinyLM):
+class ScaledBlock(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.scale = torch.nn.Parameter(torch.ones(1))
+        self.inner = models.Block()
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return self.inner(x) * scale
+
+
+class ParameterArguments(models.TinyLM):
+    """Every block gets a scale computed from the embedding's output: a later stage cannot compute it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(models.VOCAB, models.DIM)
+        self.decoder = torch.nn.Module()
+        self.decoder.layers = torch.nn.ModuleList([ScaledBlock() for _ in range(4)])
+        self.head = torch.nn.Linear(models.DIM, models.VOCAB)
+        del self.backbone
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        scale = h.mean().sigmoid()
+        for layer in self.decoder.layers:
+            h = layer(h, scale)
+        return self.head(h)
 
 
 def main(case: str) -> None:
@@ -43,8 +65,8 @@ def main(case: str) -> None:
         model = RaisesInStep(rank=1)
     elif case == "raise-first":
         model = RaisesInStep(rank=0)
-    elif case == "extra-param":
-        model = ExtraParam()
+    elif case == "parameter-arguments":
+        model = ParameterArguments()
     elif case == "synced-metric":  # only the last stage calls the metric: a per-call sync would hang
         model = models.TinyLM(train_metric=True)
         model.train_acc.dist_sync_on_step = True

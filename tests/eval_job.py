@@ -39,11 +39,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import models
 
 from lightning_pipe import PipelineStrategy
+from lightning_pipe._ghost import Ghost
 
 
 class ModeProbe(nn.Module):
-    """Passes its input through and records, for every real (not fake-tensor) call, the train/eval mode it ran
-    in and whether autograd was recording."""
+    """Passes its input through and records, for every real call (not on fake tensors or the pipeline's ghosts,
+    which compute nothing), the train/eval mode it ran in and whether autograd was recording."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -51,7 +52,7 @@ class ModeProbe(nn.Module):
         self.fake_calls = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if is_fake(x):
+        if is_fake(x) or isinstance(x, Ghost):
             self.fake_calls += 1
         else:
             self.calls.append((self.training, torch.is_grad_enabled()))
@@ -158,7 +159,8 @@ class Recorder(L.Callback):
 
     def _collect(self, pl_module: L.LightningModule, phase: str) -> None:
         for probe in self._probes(pl_module):
-            self.modes.setdefault(phase, set()).update(probe.calls)
+            if probe.calls:  # the ranks that run the probe's stage (every rank has the module object)
+                self.modes.setdefault(phase, set()).update(probe.calls)
             probe.calls.clear()
         # the module itself, and every submodule this rank holds, must be in the phase's mode
         self.modes.setdefault(phase + "_modules", set()).update({m.training for m in pl_module.modules()})

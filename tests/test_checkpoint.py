@@ -34,7 +34,7 @@ from helpers import merged_state, run_script
 import lightning_pipe
 from lightning_pipe.checkpoint import _dcp, _files, is_pipeline_checkpoint
 from lightning_pipe.checkpoint._files import INFO_KEY, OLD_SUFFIX, TMP_SUFFIX
-from lightning_pipe.checkpoint._names import merge_order
+from lightning_pipe.checkpoint._names import ModelNames
 from lightning_pipe.consolidate import consolidated_checkpoint
 from lightning_pipe.consolidate import main as consolidate_main
 
@@ -391,15 +391,18 @@ def test_commit_replaces_and_interrupted_replace_falls_back(saved, tmp_path):
         assert _files.resolve(target) == tmp_path / ("last.ckpt" + OLD_SUFFIX)
 
 
-def test_merge_order_follows_the_backbone():
+def test_merged_parameter_groups_follow_the_model_order():
+    """Every rank's optimizer groups, merged, list the parameters in the single-device model's order (what a
+    single-file optimizer state numbers them by)."""
+    names = ModelNames.of(models.make_model(blocks=10))
     ranks = [
-        ["head_free", "backbone.0.weight", "backbone.2.weight", "backbone.2.bias", "tail"],
-        ["head_free", "backbone.1.weight", "backbone.10.weight", "tail"],
+        [["backbone.0.weight", "backbone.2.qkv.weight", "backbone.2.proj.bias", "backbone.12.weight"]],
+        [["backbone.1.qkv.weight", "backbone.10.norm1.weight", "backbone.11.bias"]],
     ]
-    assert merge_order(ranks, "backbone.") == [
-        "head_free", "backbone.0.weight", "backbone.1.weight", "backbone.2.weight", "backbone.2.bias",
-        "backbone.10.weight", "tail",
-    ]
+    assert names.merge_groups(ranks) == [[
+        "backbone.0.weight", "backbone.1.qkv.weight", "backbone.2.qkv.weight", "backbone.2.proj.bias",
+        "backbone.10.norm1.weight", "backbone.11.bias", "backbone.12.weight",
+    ]]
 
 
 # --------------------------------------------------------------------------------------------------------- in-process
@@ -407,15 +410,15 @@ def _save_one_rank(model, optimizers, checkpoint, path) -> None:
     """`_dcp.save` in one process without a process group."""
     layout = {"bounds": [[0, 7]], "pipeline_parallel_size": 1, "data_parallel_size": 1, "stages_per_rank": 1,
               "style": "loop", "backbone": "backbone"}
-    _dcp.save(checkpoint, path, module=model, optimizers=optimizers, layout=layout, backbone_prefix="backbone.",
+    _dcp.save(checkpoint, path, module=model, optimizers=optimizers, names=ModelNames.of(model), layout=layout,
               is_global_zero=True, barrier=lambda name: None)
 
 
 def _load_one_rank(model, optimizers, path) -> dict:
     from lightning.fabric.plugins import TorchCheckpointIO
 
-    return _dcp.load(path, module=model, optimizers=optimizers, fitting=True, weights_only=None,
-                     checkpoint_io=TorchCheckpointIO(), global_rank=0, backbone_prefix="backbone.")
+    return _dcp.load(path, module=model, optimizers=optimizers, names=ModelNames.of(model), fitting=True,
+                     weights_only=None, checkpoint_io=TorchCheckpointIO(), global_rank=0)
 
 
 def test_optimizer_round_trip_before_and_after_the_first_step(tmp_path):

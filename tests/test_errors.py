@@ -67,9 +67,11 @@ class FrozenOutside(models.TinyLM):
 @pytest.mark.parametrize(
     ("model", "strategy", "batch_size", "error", "match"),
     [
-        (NoBackbone, {}, 8, AttributeError, r"no attribute `backbone`.*Sequential modules found: \['layers'"),
+        (NoBackbone, {}, 8, ValueError, r"found no container of repeated blocks.*Containers found: \['layers'"),
+        (NoBackbone, {"backbone": "backbone"}, 8, AttributeError, r"no attribute `backbone`.*Containers found"),
         (models.TinyLM, {"backbone": "model.body"}, 8, AttributeError, "no attribute `model`"),
-        (NotSequential, {}, 8, TypeError, "must name an `nn.Sequential`.*ModuleList"),
+        (models.TinyLM, {"backbone": "backbone.0"}, 8, TypeError, "is a `Embedding`.*must be an `nn.Sequential`"),
+        (NotSequential, {}, 8, NotImplementedError, "missing the required \"forward\" function"),
         (lambda: models.TinyLM(blocks=0), {"schedule": "ZBVZeroBubble", "balance": [1, 1]}, 8, ValueError,
          "add up to the 3 backbone modules"),
         (Manual, {}, 8, ValueError, "manual optimization.*not supported"),
@@ -77,7 +79,7 @@ class FrozenOutside(models.TinyLM):
          "batch size is 8.*lower `num_microbatches` to at most 8"),
         (models.TinyLM, {"pipeline_parallel_size": 2}, 8, ValueError,
          r"needs 2 \* 1 = 2 processes, but the Trainer runs 1"),
-        (CallsTwice, {"num_microbatches": 2}, 8, BackboneCallError, "called the pipelined backbone twice"),
+        (CallsTwice, {"num_microbatches": 2}, 8, BackboneCallError, "runs each backbone block exactly once per step"),
         (NeverCalls, {}, 8, BackboneCallError, "without calling the pipelined backbone"),
     ],
 )
@@ -86,15 +88,20 @@ def test_bad_input_is_refused(model, strategy, batch_size, error, match):
         fit(model(), batch_size=batch_size, **strategy)
 
 
-def test_trainable_parameters_outside_the_backbone_are_refused_but_frozen_ones_allowed():
+def test_parameters_outside_the_backbone_are_kept_trainable_or_frozen():
+    """Modules outside the backbone train (on the first or last stage; see test_models.py), frozen ones stay frozen."""
+
     class Outside(models.TinyLM):
         def __init__(self) -> None:
             super().__init__()
             self.extra = nn.Linear(2, 2)
 
-    with pytest.raises(ValueError, match=r"trainable parameters are outside it: \['extra.weight'.*requires_grad_"):
-        fit(Outside())
-    fit(FrozenOutside())
+    model = Outside()
+    fit(model)
+    assert model.extra.weight.requires_grad
+    frozen = FrozenOutside()
+    fit(frozen)
+    assert not frozen.frozen.weight.requires_grad
 
 
 @pytest.mark.parametrize(
@@ -115,7 +122,7 @@ def test_bad_arguments_fail_at_construction(kwargs, match):
 @pytest.mark.parametrize(
     ("case", "match"),
     [
-        ("extra-param", "trainable parameters are outside it"),
+        ("parameter-arguments", r"`decoder.layers.2` runs on stage 1, but its argument\(s\) positional argument 1 are"),
         ("too-few-microbatches", r"num_microbatches=1\)` is not valid for 2 stages.*Raise `num_microbatches`"),
         ("too-many-stages", "cannot be split into 4 non-empty stages"),
         ("synced-metric", r"\['train_acc'\] have `dist_sync_on_step=True`.*`dist_sync_on_step=False`"),

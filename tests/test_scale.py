@@ -12,7 +12,7 @@ import models
 import torch
 from helpers import JOB, assert_parity, merged_state, reference, run_job
 
-from lightning_pipe._stage import materialize_backbone
+from lightning_pipe._stage import materialize
 
 
 def test_pipeline_times_data_parallel_equals_ddp(tmp_path):
@@ -50,7 +50,7 @@ def test_meta_init_gives_the_same_weights_whatever_the_pipeline_size(tmp_path):
     spec = {"meta_init": True, "data": {"n": 16, "batch_size": 8}, "trainer": {"max_steps": 1}, "model": {"blocks": 2}}
     with torch.device("meta"):
         unsplit = models.make_model(blocks=2)
-    materialize_backbone(unsplit.backbone, torch.device("cpu"))
+    materialize(unsplit, torch.device("cpu"))
     expected = unsplit.state_dict()
     for devices in (1, 2, 4):
         results = run_job({**spec, "devices": devices, "strategy": {"num_microbatches": 4}}, tmp_path / str(devices))

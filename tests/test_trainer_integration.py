@@ -79,7 +79,7 @@ def test_lightning_cli_by_name_and_by_class_path(tmp_path):
     shown = run_script([app, "fit", "--config", str(config), "--print_config"], cwd=tmp_path, timeout=60)
     assert shown.returncode == 0, shown.stdout[-3000:]
     for line in ("class_path: lightning_pipe.PipelineStrategy", "pipeline_parallel_size: auto", "schedule: GPipe",
-                 "num_microbatches: 2", "backbone: backbone", "stages_per_rank: auto"):
+                 "num_microbatches: 2", "backbone: auto", "stages_per_rank: auto"):
         assert line in shown.stdout, line
     ran = run_script([app, "fit", "--config", str(config)], cwd=tmp_path, timeout=120)
     assert ran.returncode == 0, ran.stdout[-3000:]

@@ -20,6 +20,7 @@ import torch
 
 from lightning_pipe import _compat
 from lightning_pipe.checkpoint._files import INFO_KEY, META_FILENAME, is_pipeline_checkpoint, read_meta
+from lightning_pipe.checkpoint._names import split_name
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,9 @@ def consolidated_checkpoint(checkpoint_dir: Any, weights_only: bool = False) -> 
     checkpoint.pop("pipeline_layout", None)
     stored = _compat.read_dcp_in_one_process(path, keys={"state_dict"} if weights_only else None)
     weights = stored.pop("state_dict", {})
+    for alias, first in info.get("aliases", {}).items():  # a tensor with several names is stored once
+        if first in weights:
+            weights[alias] = weights[first]
     order = [k for k in info.get("state_dict_keys", []) if k in weights]
     order += [k for k in weights if k not in set(order)]
     checkpoint["state_dict"] = OrderedDict((k, weights[k]) for k in order)
@@ -87,7 +91,7 @@ def _optimizer_state(flat: dict[str, Any], groups: list[list[str]]) -> dict[str,
     per_name: dict[str, dict[str, dict[str, Any]]] = {}
     for key, value in flat.items():
         section, _, rest = key.partition(".")
-        name, sub = _split_name(rest, names)
+        name, sub = split_name(rest, names)
         if name is None or section not in ("state", "param_groups"):
             continue
         keys = sub.split(".") if section == "state" else [sub]
@@ -112,16 +116,6 @@ def _optimizer_state(flat: dict[str, Any], groups: list[list[str]]) -> dict[str,
         group["params"] = numbers
         param_groups.append(group)
     return {"state": state, "param_groups": param_groups}
-
-
-def _split_name(rest: str, names: set[str]) -> tuple[Optional[str], str]:
-    """Split ``"<parameter name>.<key>"`` at the dot that leaves a known parameter name on the left."""
-    pos = rest.rfind(".")
-    while pos > 0:
-        if rest[:pos] in names:
-            return rest[:pos], rest[pos + 1 :]
-        pos = rest.rfind(".", 0, pos)
-    return None, rest
 
 
 def _set_nested(target: dict[str, Any], keys: list[str], value: Any) -> None:

@@ -34,12 +34,10 @@ from lightning_pipe.checkpoint._files import (
 from lightning_pipe.checkpoint._names import (
     OPTIM_OPTIONS,
     CheckpointMismatchError,
+    ModelNames,
     all_gather,
     flat_param_groups,
-    group_names,
     load_full_optimizer_state,
-    merge_groups,
-    merge_order,
     optimizer_state_for_save,
     set_param_groups,
 )
@@ -54,18 +52,18 @@ def save(
     *,
     module: nn.Module,
     optimizers: list[torch.optim.Optimizer],
+    names: ModelNames,
     layout: dict[str, Any],
-    backbone_prefix: str,
     is_global_zero: bool,
     barrier: Callable[[str], None],
 ) -> None:
     """Write ``checkpoint`` (Lightning's dict) to the directory ``filepath``; called on every rank with the same path.
 
     Args:
-        module: the split LightningModule (its ``state_dict`` holds this rank's stages).
+        module: the cut LightningModule (its ``state_dict`` holds this rank's tensors).
         optimizers: this rank's optimizers.
+        names: the whole model's names (a tensor with several names is stored once, under its first).
         layout: the pipeline layout to store (see ``_files.layout_of``).
-        backbone_prefix: the backbone's attribute path and a dot, e.g. ``"backbone."``.
         is_global_zero: this rank writes ``meta.pt`` and commits the directory.
         barrier: a barrier over all ranks.
     """
@@ -80,20 +78,21 @@ def save(
     # `ModelCheckpoint(save_weights_only=True)` leaves out optimizer and scheduler states: so do we.
     with_optimizers = "optimizer_states" in checkpoint
     checkpoint.pop("optimizer_states", None)
-    state: dict[str, Any] = {"state_dict": checkpoint.pop("state_dict")}
+    weights = {names.stored(k): v for k, v in checkpoint.pop("state_dict").items()}
+    state: dict[str, Any] = {"state_dict": weights}
     optimizers = list(optimizers) if with_optimizers else []
     for idx, optimizer in enumerate(optimizers):
-        state[f"optimizer_{idx}"] = optimizer_state_for_save(module, optimizer)
-    # Names only: the order of the full model's state dict and of every optimizer's parameter groups.
-    local = (list(state["state_dict"]), [group_names(module, opt) for opt in optimizers])
-    gathered = all_gather(local)
+        state[f"optimizer_{idx}"] = optimizer_state_for_save(module, optimizer, names)
+    # Names only: every optimizer's parameter groups on every rank.
+    gathered = all_gather([names.group_names(opt) for opt in optimizers])
     dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True))
     if is_global_zero:
         checkpoint[INFO_KEY] = {
             "format_version": FORMAT_VERSION,
-            "state_dict_keys": merge_order([keys for keys, _ in gathered], backbone_prefix),
+            "state_dict_keys": list(names.state_keys),
+            "aliases": dict(names.aliases),
             "optimizers": [
-                {"param_groups": merge_groups([groups[idx] for _, groups in gathered], backbone_prefix)}
+                {"param_groups": names.merge_groups([groups[idx] for groups in gathered])}
                 for idx in range(len(optimizers))
             ],
             "pipeline_layout": layout,
@@ -105,17 +104,16 @@ def save(
     barrier("lightning_pipe.save.done")
 
 
-# ------------------------------------------------------------------------------------------------------------ loading
 def load(
     filepath: Any,
     *,
     module: nn.Module,
     optimizers: list[torch.optim.Optimizer],
+    names: ModelNames,
     fitting: bool,
     weights_only: Optional[bool],
     checkpoint_io: Any,
     global_rank: int,
-    backbone_prefix: str,
 ) -> dict[str, Any]:
     """Load a checkpoint into ``module`` and ``optimizers`` in place; return the rest for Lightning.
 
@@ -126,11 +124,13 @@ def load(
     strict = module.strict_loading
     if path.is_file():
         optimizers = optimizers if fitting else []
-        return _load_file(path, module, optimizers, weights_only, checkpoint_io, global_rank, backbone_prefix)
+        return _load_file(path, module, optimizers, names, weights_only, checkpoint_io, global_rank)
     checkpoint = read_meta(path, weights_only)
     checkpoint.pop(INFO_KEY, None)
     checkpoint.pop("pipeline_layout", None)
-    state: dict[str, Any] = {"state_dict": module.state_dict()}
+    local = module.state_dict()
+    weights = {names.stored(k): v for k, v in local.items()}
+    state: dict[str, Any] = {"state_dict": weights}
     # Optimizers are restored when fitting and when the checkpoint has them (not `save_weights_only`); Lightning
     # itself raises for a weights-only checkpoint because the LR scheduler states are missing then.
     optimizers = list(optimizers) if fitting and "lr_schedulers" in checkpoint else []
@@ -138,11 +138,11 @@ def load(
     stepped = [any(k.startswith(f"optimizer_{idx}.state.") for k in stored) for idx in range(len(optimizers))]
     for idx, optimizer in enumerate(optimizers):
         # The template of what to read. An optimizer saved before its first step has hyper-parameters only.
-        state[f"optimizer_{idx}"] = (
-            get_optimizer_state_dict(module, optimizer, options=OPTIM_OPTIONS)
-            if stepped[idx]
-            else flat_param_groups(module, optimizer)
-        )
+        if stepped[idx]:
+            flat = get_optimizer_state_dict(module, optimizer, options=OPTIM_OPTIONS)
+            state[f"optimizer_{idx}"] = names.optimizer_keys(module, flat, to_stored=True)
+        else:
+            state[f"optimizer_{idx}"] = flat_param_groups(optimizer, names)
     _check_against(path, state, stored, strict, global_rank)
     try:  # DCP gathers every rank's read errors and raises them on all ranks
         dcp.load(state, checkpoint_id=path, planner=dcp.DefaultLoadPlanner(allow_partial_load=not strict))
@@ -151,12 +151,13 @@ def load(
             f"Reading checkpoint `{path}` failed (reported on rank {global_rank}): its files are damaged or"
             f" incomplete. Load an earlier checkpoint. Cause: {_first_line(err)}"
         ) from err
-    module.load_state_dict(state["state_dict"], strict=strict)
+    module.load_state_dict({k: weights[names.stored(k)] for k in local}, strict=strict)
     for idx, optimizer in enumerate(optimizers):
         if stepped[idx]:
-            set_optimizer_state_dict(module, optimizer, state[f"optimizer_{idx}"], options=OPTIM_OPTIONS)
+            flat = names.optimizer_keys(module, state[f"optimizer_{idx}"], to_stored=False)
+            set_optimizer_state_dict(module, optimizer, flat, options=OPTIM_OPTIONS)
         else:
-            set_param_groups(module, optimizer, state[f"optimizer_{idx}"])
+            set_param_groups(optimizer, state[f"optimizer_{idx}"], names)
     checkpoint["state_dict"] = module.state_dict()  # this rank's part, for `on_load_checkpoint` hooks
     log.debug("rank %d: loaded checkpoint %s", global_rank, path)
     return checkpoint
@@ -230,10 +231,10 @@ def _load_file(
     path: Path,
     module: nn.Module,
     optimizers: list[torch.optim.Optimizer],
+    names: ModelNames,
     weights_only: Optional[bool],
     checkpoint_io: Any,
     global_rank: int,
-    backbone_prefix: str,
 ) -> dict[str, Any]:
     """Each rank takes its stages from an ordinary single-file Lightning checkpoint."""
     strict = module.strict_loading
@@ -247,15 +248,15 @@ def _load_file(
     module.load_state_dict({k: full[k] for k in local if k in full}, strict=strict)
     optimizer_states = checkpoint.pop("optimizer_states", None)
     if optimizers and optimizer_states is not None:
-        gathered = all_gather([group_names(module, opt) for opt in optimizers])
+        gathered = all_gather([names.group_names(opt) for opt in optimizers])
         if len(optimizer_states) != len(optimizers):
             raise CheckpointMismatchError(
                 f"`{path}` holds {len(optimizer_states)} optimizer states but `configure_optimizers` made"
                 f" {len(optimizers)}."
             )
         for idx, (optimizer, saved) in enumerate(zip(optimizers, optimizer_states)):
-            groups = merge_groups([per_rank[idx] for per_rank in gathered], backbone_prefix)
-            load_full_optimizer_state(module, optimizer, saved, groups, path)
+            groups = names.merge_groups([per_rank[idx] for per_rank in gathered])
+            load_full_optimizer_state(optimizer, saved, groups, path, names)
     checkpoint["state_dict"] = module.state_dict()
     return checkpoint
 

@@ -3,8 +3,8 @@
 A pipelined checkpoint keys everything by parameter name, so that it can be loaded onto any pipeline layout. This
 module holds that bookkeeping:
 
-- names: every rank's parameter names and optimizer parameter groups, and their merge into the full model's order
-  (backbone modules by index, other modules before or after the backbone);
+- names (:class:`ModelNames`): the whole model's state-dict keys and parameter names, fixed before the split, and
+  the first name of a tensor that has several (stored once);
 - optimizer state: what is saved for an optimizer (its flattened, name-keyed state dict, or only its
   hyper-parameters before the first step), restoring those hyper-parameters, and giving an optimizer its part of a
   single-device ``torch.optim`` state dict.
@@ -14,9 +14,9 @@ module holds that bookkeeping:
 
 from __future__ import annotations
 
-import re
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -36,46 +36,77 @@ class CheckpointMismatchError(KeyError):
 
 
 # -------------------------------------------------------------------------------------------------------------- names
-def param_names(model: nn.Module) -> dict[int, str]:
-    names: dict[int, str] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), name)
-    return names
+@dataclass(frozen=True)
+class ModelNames:
+    """The whole model's names, fixed before the split: what a checkpoint is keyed by, on any layout.
 
-
-def group_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
-    names = param_names(model)
-    return [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
-
-
-def merge_order(lists: list[list[str]], prefix: str) -> list[str]:
-    """The full model's order of names, from every rank's local order (each a subsequence of it).
-
-    Names under the backbone go by backbone module index (each module lives on one stage, in its local order);
-    other names (replicated on every rank) keep their place before or after the backbone.
+    Attributes:
+        state_keys: the single-device ``state_dict`` keys, in order.
+        aliases: ``{key: first key}`` for a tensor with several names (a tied head, a reused block): a checkpoint
+            stores it once, under its first name.
+        param_order: every parameter's first name, in the single-device order.
+        first_name: ``{id(parameter): first name}``.
     """
-    pattern = re.compile(re.escape(prefix) + r"(\d+)(\.|$)")
-    keys: dict[str, tuple] = {}
-    for names in lists:
-        seen_backbone = False
-        for pos, name in enumerate(names):
-            match = pattern.match(name)
-            if match:
-                seen_backbone = True
-                key: tuple = (1, int(match.group(1)), pos)
-            else:
-                key = (2 if seen_backbone else 0, pos, 0)
-            if name not in keys or (key[0] == 2 and keys[name][0] == 0):
-                keys[name] = key
-    return sorted(keys, key=keys.__getitem__)
+
+    state_keys: tuple[str, ...]
+    aliases: dict[str, str]
+    param_order: tuple[str, ...]
+    first_name: dict[int, str]
+
+    @classmethod
+    def of(cls, model: nn.Module) -> ModelNames:
+        """The names of ``model`` as it is now (call it on the whole model)."""
+        first: dict[int, str] = {}
+        aliases: dict[str, str] = {}
+        for key, value in model.state_dict(keep_vars=True).items():
+            if isinstance(value, torch.Tensor):
+                name = first.setdefault(id(value), key)
+                if name != key:
+                    aliases[key] = name
+        params = {id(p): n for n, p in model.named_parameters()}
+        return cls(tuple(model.state_dict(keep_vars=True)), aliases, tuple(params.values()), params)
+
+    def stored(self, key: str) -> str:
+        """The key a state-dict entry is stored under."""
+        return self.aliases.get(key, key)
+
+    def group_names(self, optimizer: torch.optim.Optimizer) -> list[list[str]]:
+        return [[self.first_name[id(p)] for p in group["params"]] for group in optimizer.param_groups]
+
+    def merge_groups(self, per_rank: list[list[list[str]]]) -> list[list[str]]:
+        """Merge every rank's parameter groups of one optimizer (same group count on every rank), in model order."""
+        counts = {len(groups) for groups in per_rank}
+        if len(counts) != 1:
+            raise RuntimeError(f"The ranks' optimizers have different numbers of parameter groups: {sorted(counts)}.")
+        order = {name: i for i, name in enumerate(self.param_order)}
+        merged = []
+        for g in range(counts.pop()):
+            names = {name for groups in per_rank for name in groups[g]}
+            merged.append(sorted(names, key=lambda n: order.get(n, len(order))))
+        return merged
+
+    def optimizer_keys(self, model: nn.Module, flat: dict[str, Any], to_stored: bool) -> dict[str, Any]:
+        """A flattened optimizer state dict with its parameter names switched between the local names torch uses
+        (``to_stored=False``) and the first names a checkpoint stores (``to_stored=True``)."""
+        local = {n: self.first_name[id(p)] for n, p in model.named_parameters() if id(p) in self.first_name}
+        mapping = local if to_stored else {v: k for k, v in local.items()}
+        known = set(mapping)
+        out = {}
+        for key, value in flat.items():
+            section, _, rest = key.partition(".")
+            name, sub = split_name(rest, known)
+            out[f"{section}.{mapping[name]}.{sub}" if name is not None else key] = value
+        return out
 
 
-def merge_groups(per_rank: list[list[list[str]]], prefix: str) -> list[list[str]]:
-    """Merge every rank's parameter groups of one optimizer (same group count on every rank)."""
-    counts = {len(groups) for groups in per_rank}
-    if len(counts) != 1:
-        raise RuntimeError(f"The ranks' optimizers have different numbers of parameter groups: {sorted(counts)}.")
-    return [merge_order([groups[g] for groups in per_rank], prefix) for g in range(counts.pop())]
+def split_name(rest: str, names: set[str]) -> tuple[Optional[str], str]:
+    """Split ``"<parameter name>.<key>"`` at the dot that leaves a known parameter name on the left."""
+    pos = rest.rfind(".")
+    while pos > 0:
+        if rest[:pos] in names:
+            return rest[:pos], rest[pos + 1 :]
+        pos = rest.rfind(".", 0, pos)
+    return None, rest
 
 
 def all_gather(obj: Any) -> list[Any]:
@@ -87,19 +118,20 @@ def all_gather(obj: Any) -> list[Any]:
 
 
 # ---------------------------------------------------------------------------------------------------- optimizer state
-def optimizer_state_for_save(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def optimizer_state_for_save(model: nn.Module, optimizer: torch.optim.Optimizer, names: ModelNames) -> dict[str, Any]:
+    """The flattened optimizer state dict, keyed by the first names of the parameters."""
     if not optimizer.state and all(p.grad is None for g in optimizer.param_groups for p in g["params"]):
         # Not stepped yet. `get_optimizer_state_dict` would initialise the state with a zero-lr step (Adam's step
         # count would become 1 and change the run): save the hyper-parameters only.
-        return flat_param_groups(model, optimizer)
-    return get_optimizer_state_dict(model, optimizer, options=OPTIM_OPTIONS)
+        return flat_param_groups(optimizer, names)
+    flat = get_optimizer_state_dict(model, optimizer, options=OPTIM_OPTIONS)
+    return names.optimizer_keys(model, flat, to_stored=True)
 
 
-def flat_param_groups(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def flat_param_groups(optimizer: torch.optim.Optimizer, names: ModelNames) -> dict[str, Any]:
     """The ``param_groups.<name>.<key>`` entries of the flattened optimizer state dict."""
-    names = param_names(model)
     return {
-        f"param_groups.{names[id(p)]}.{key}": value
+        f"param_groups.{names.first_name[id(p)]}.{key}": value
         for group in optimizer.param_groups
         for p in group["params"]
         for key, value in group.items()
@@ -107,18 +139,17 @@ def flat_param_groups(model: nn.Module, optimizer: torch.optim.Optimizer) -> dic
     }
 
 
-def set_param_groups(model: nn.Module, optimizer: torch.optim.Optimizer, flat: dict[str, Any]) -> None:
-    names = param_names(model)
+def set_param_groups(optimizer: torch.optim.Optimizer, flat: dict[str, Any], names: ModelNames) -> None:
     for group in optimizer.param_groups:
         if group["params"]:
-            name = names[id(group["params"][0])]
+            name = names.first_name[id(group["params"][0])]
             for key in list(group):
                 if key != "params" and f"param_groups.{name}.{key}" in flat:
                     group[key] = flat[f"param_groups.{name}.{key}"]
 
 
 def load_full_optimizer_state(
-    model: nn.Module, optimizer: torch.optim.Optimizer, saved: dict[str, Any], groups: list[list[str]], path: Path
+    optimizer: torch.optim.Optimizer, saved: dict[str, Any], groups: list[list[str]], path: Path, names: ModelNames
 ) -> None:
     """Give ``optimizer`` (this rank's parameters) its part of a single-device optimizer state dict.
 
@@ -134,17 +165,16 @@ def load_full_optimizer_state(
             " configuration; load the weights only (`Model.load_from_checkpoint`) and fit without `ckpt_path`."
         )
     number_of: dict[str, Any] = {}
-    for saved_group, names in zip(saved_groups, groups):
-        names = saved_group.get("param_names", names)
-        number_of.update(zip(names, saved_group["params"]))
-    names_of = param_names(model)
+    for saved_group, group_names in zip(saved_groups, groups):
+        group_names = saved_group.get("param_names", group_names)
+        number_of.update(zip(group_names, saved_group["params"]))
     new_state: dict[int, Any] = {}
     new_groups = []
     counter = 0
     for group, saved_group in zip(optimizer.param_groups, saved_groups):
         numbers = []
         for param in group["params"]:
-            name = names_of[id(param)]
+            name = names.first_name[id(param)]
             if name not in number_of:
                 raise CheckpointMismatchError(f"The optimizer state in `{path}` has no entry for `{name}`.")
             entry = saved["state"].get(number_of[name])

@@ -66,7 +66,8 @@ def _build_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--memory-budget", help="bytes one device may use, e.g. 16GiB, 80GB, 1e10.")
     parser.add_argument("--pipeline-parallel-size", type=int, help="consider only this pipeline size.")
     parser.add_argument(
-        "--backbone", help="dotted attribute path of the nn.Sequential (default: the config's, else 'backbone')."
+        "--backbone",
+        help="the backbone's container, a dotted path (default: the config's strategy backbone, else 'auto').",
     )
     parser.add_argument(
         "--costs",
@@ -250,7 +251,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     backbone = args.backbone
     if backbone is None and isinstance(strategy, dict):
         backbone = (strategy.get("init_args") or {}).get("backbone")
-    backbone = backbone or "backbone"
+    backbone = backbone or "auto"
 
     if args.global_batch_size is not None:
         global_batch, batch_note = args.global_batch_size, "given"

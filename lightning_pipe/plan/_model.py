@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 def backbone_profile(
     lightning_module: nn.Module,
-    backbone: str = "backbone",
+    backbone: Union[str, list[str]] = "auto",
     costs: Union[str, Sequence[float]] = "parameters",
     activation_bytes: Union[None, str, Sequence[float]] = "auto",
     example_input: Any = None,
@@ -27,7 +27,7 @@ def backbone_profile(
 
     Args:
         lightning_module: the module holding the backbone; it may live on the meta device.
-        backbone: dotted attribute path of the ``nn.Sequential``, as for ``PipelineStrategy``.
+        backbone: the backbone's container(s), as for ``PipelineStrategy`` (default ``"auto"``).
         costs: ``"parameters"`` (parameter counts stand in for time) or measured times per sample, one per module.
         activation_bytes: ``"auto"`` measures the bytes each module saves for backward per sample by running
             ``example_input`` (default: the module's ``example_input_array``) through the backbone on the meta
@@ -35,10 +35,12 @@ def backbone_profile(
         example_input: a tensor with a leading batch dimension, the backbone's input.
         bytes_per_parameter: overrides the parameters' own element size (e.g. 2 for ``precision="bf16-true"``).
     """
-    from lightning_pipe._backbone import LocalBackbone, resolve_backbone
+    from lightning_pipe._backbone import find_backbone
+    from lightning_pipe._ghost import Ghost
 
-    _, _, modules = resolve_backbone(lightning_module, backbone)
-    if isinstance(modules, LocalBackbone):
+    found = find_backbone(lightning_module, backbone)
+    modules = [found.module(i) for i in range(len(found))]
+    if any(isinstance(v, Ghost) for m in modules for v in vars(m).values()):
         raise ValueError("The backbone is already split by a PipelineStrategy; plan with an unsplit module.")
     counts = [float(sum(p.numel() for p in module.parameters())) for module in modules]
     param_bytes = [
@@ -74,13 +76,14 @@ def backbone_profile(
     return module_costs, param_bytes, acts
 
 
-def measure_activation_bytes(modules: nn.Sequential, example_input: Any) -> Optional[list[float]]:
+def measure_activation_bytes(modules: Sequence[nn.Module], example_input: Any) -> Optional[list[float]]:
     """Bytes each module of ``modules`` saves for backward, per sample, measured on the meta device.
 
-    The input is run through the modules twice, with batches of 1 and 2 built from ``example_input``'s per-sample
-    shape and dtype; the difference is the per-sample part (weights saved for backward cancel out). Modules that
-    are not on the meta device are copied there one at a time. Returns ``None`` when it cannot be measured
-    (an input that is not a single tensor, or an operation the meta device does not support).
+    The input is run through the modules one after the other, twice, with batches of 1 and 2 built from
+    ``example_input``'s per-sample shape and dtype; the difference is the per-sample part (weights saved for
+    backward cancel out). Modules that are not on the meta device are copied there one at a time. Returns ``None``
+    when it cannot be measured (an input that is not a single tensor, a block that needs other arguments, or an
+    operation the meta device does not support).
     """
     import copy
 

@@ -264,7 +264,7 @@ def plan_for_module(
     batch_size: int,
     devices: int,
     memory_budget: Optional[float] = None,
-    backbone: str = "backbone",
+    backbone: Union[str, list[str]] = "auto",
     costs: Union[str, Sequence[float]] = "parameters",
     *,
     activation_bytes: Union[None, str, Sequence[float]] = "auto",
@@ -279,7 +279,7 @@ def plan_for_module(
         batch_size: the global batch size (samples per optimizer step over all replicas).
         devices: the number of processes.
         memory_budget: bytes one device may use, or ``None``.
-        backbone: dotted attribute path of the ``nn.Sequential``.
+        backbone: the backbone's container(s), as for ``PipelineStrategy`` (default ``"auto"``).
         costs: ``"parameters"`` or measured forward+backward times per sample, one per module.
         activation_bytes, example_input, bytes_per_parameter: see :func:`backbone_profile`.
         **search_kwargs: passed to :func:`search_plans` (``pipeline_parallel_size``, ``schedules``,

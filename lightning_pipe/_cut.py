@@ -1,0 +1,231 @@
+"""Where every parameter and buffer of the model lives, and cutting the module so a rank keeps only its share.
+
+A tensor is registered in a module under a name (``registration``); the same tensor may be registered in several
+modules (a head tied to the embedding), and a module may sit at several paths (a block reused). Each registration
+goes to the stages that use it:
+
+- inside a block: that block's stage (a block reused in several places: each of their stages);
+- a parameter the code before the backbone reads, in a module it calls (or reads directly): the first stage;
+- every other parameter outside the backbone: the last stage (a parameter also read after the backbone, through
+  the same registration, goes there too);
+- a buffer outside the backbone goes with its module's parameters; one in a module without parameters (rotary
+  tables, masks) is on every stage.
+
+A tensor held on several ranks (tied or shared parameters) has its gradients summed over them after each batch, so
+the copies stay identical; checkpoints store it once, under its first name. A rank keeps the registrations of its
+stages; every other one becomes a ghost attribute (:mod:`lightning_pipe._ghost`): the module tree, its attributes
+and the names of what the rank holds are unchanged, and ``state_dict()`` holds exactly this rank's tensors.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_pipe._backbone import Backbone
+from lightning_pipe._ghost import Ghost, ghost_of
+from lightning_pipe._structure import Structure
+from lightning_pipe._summary import parameter_counts
+from lightning_pipe.checkpoint._names import ModelNames
+from lightning_pipe.partition import StageLayout
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Registration:
+    """A tensor as one module holds it: ``owner.<name>``, at one or more paths."""
+
+    owner: nn.Module
+    name: str
+    kind: str  # "parameter" or "buffer"
+    tensor: Tensor
+    paths: list[str] = field(default_factory=list)
+    stages: frozenset[int] = frozenset()
+    persistent: bool = True
+
+    @property
+    def table(self) -> dict:
+        return self.owner._parameters if self.kind == "parameter" else self.owner._buffers
+
+
+class Cut:
+    """The placement of every registration of ``module`` for ``layout`` (identical on every rank).
+
+    Args:
+        module: the whole LightningModule, before the split.
+        backbone: its backbone.
+        structure: what the setup learned about its step.
+        layout: which blocks each stage holds, and which rank runs it.
+    """
+
+    def __init__(self, module: nn.Module, backbone: Backbone, structure: Structure, layout: StageLayout) -> None:
+        self.backbone = backbone
+        self.structure = structure
+        self.layout = layout
+        self.last_stage = layout.num_stages - 1
+        self.block_stage = [layout.stage_of_block(i) for i in range(len(backbone))]
+        self.registrations = _registrations(module)
+        self.names = ModelNames.of(module)
+        self.param_counts = parameter_counts(module)  # for ModelSummary: the whole model's
+        _refuse_shared_storage(module)
+        self._place(module)
+
+    # ------------------------------------------------------------------------------------------------ placement
+    def _place(self, module: nn.Module) -> None:
+        structure, s_last = self.structure, self.last_stage
+        in_blocks: dict[int, set[int]] = {}
+        for i in range(len(self.backbone)):
+            for sub in self.backbone.module(i).modules():
+                in_blocks.setdefault(id(sub), set()).add(self.block_stage[i])
+        called_first = structure.prefix_modules
+        by_tensor: dict[int, list[Registration]] = {}
+        for reg in self.registrations:
+            by_tensor.setdefault(id(reg.tensor), []).append(reg)
+        for reg in self.registrations:
+            if id(reg.owner) in in_blocks:
+                reg.stages = frozenset(in_blocks[id(reg.owner)])
+            elif reg.kind == "parameter":
+                reg.stages = frozenset({self._outside_stage(reg, by_tensor[id(reg.tensor)], called_first)})
+        for reg in self.registrations:  # buffers outside the blocks follow their module's parameters
+            if reg.kind == "buffer" and id(reg.owner) not in in_blocks:
+                own = [r.stages for r in self.registrations if r.owner is reg.owner and r.kind == "parameter"]
+                reg.stages = own[0] if own else frozenset(range(self.layout.num_stages))
+        for pid in structure.post_params:  # read after the backbone: the last stage must hold it
+            regs = by_tensor.get(pid, [])
+            if regs and not any(s_last in r.stages for r in regs):
+                for r in regs:
+                    r.stages = r.stages | {s_last}
+
+    def _outside_stage(self, reg: Registration, same: list[Registration], called_first: set[int]) -> int:
+        if id(reg.tensor) not in self.structure.prefix_params:
+            return self.last_stage
+        if id(reg.owner) in called_first:
+            return 0
+        if any(id(r.owner) in called_first for r in same if r is not reg):
+            return self.last_stage  # another name of a tied tensor is the first stage's (an embedding); this one not
+        return 0  # read directly by the code before the backbone (e.g. a class token)
+
+    # ------------------------------------------------------------------------------------------------ per rank
+    def ranks_of(self, reg: Registration) -> frozenset[int]:
+        return frozenset(self.layout.stage_rank(s) for s in reg.stages)
+
+    def held(self, rank: int) -> list[Registration]:
+        return [r for r in self.registrations if rank in self.ranks_of(r)]
+
+    def ties(self) -> list[tuple[str, frozenset[int], int]]:
+        """``(name, pipeline ranks, source rank)`` of every parameter held by several ranks: its gradients are summed
+        over them. The source holds its first name in module order, whose module initialises it (see
+        ``_stage.materialize_local``)."""
+        found: dict[int, tuple[str, frozenset[int], int]] = {}
+        for reg in self.registrations:
+            if reg.kind != "parameter":
+                continue
+            name = self.names.first_name.get(id(reg.tensor), reg.paths[0])
+            source = self.layout.stage_rank(min(reg.stages))
+            _, ranks, source = found.get(id(reg.tensor), (name, frozenset(), source))
+            found[id(reg.tensor)] = (name, ranks | self.ranks_of(reg), source)
+        return [found_tie for found_tie in found.values() if len(found_tie[1]) > 1]
+
+    def prefix_swaps(self, rank: int) -> list[tuple[nn.Module, str, str]]:
+        """The parameters this rank holds under names the code before the backbone reads: they are ghosts while that
+        code runs anywhere but in the first stage's own run."""
+        prefix = self.structure.prefix_params
+        return [
+            (reg.owner, reg.name, reg.kind)
+            for reg in self.held(rank)
+            if reg.kind == "parameter" and 0 in reg.stages and id(reg.tensor) in prefix
+        ]
+
+    def stage_parameters(self, stage: int) -> list[nn.Parameter]:
+        """The parameters a stage's module registers (its blocks' and the outside ones it holds): what torch's stage
+        computes weight gradients for."""
+        seen: dict[int, nn.Parameter] = {}
+        for reg in self.registrations:
+            if reg.kind == "parameter" and stage in reg.stages and reg.tensor.requires_grad:
+                seen.setdefault(id(reg.tensor), reg.tensor)  # type: ignore[arg-type]
+        return list(seen.values())
+
+    # ------------------------------------------------------------------------------------------------ the split
+    def keep_only(self, rank: int, device: torch.device) -> None:
+        """Turn every registration this rank does not hold into a ghost attribute (on ``device``)."""
+        held = {id(r) for r in self.held(rank)}
+        dropped = 0
+        for reg in self.registrations:
+            if id(reg) in held:
+                continue
+            value = reg.table.pop(reg.name)
+            if reg.kind == "buffer":
+                reg.owner._non_persistent_buffers_set.discard(reg.name)
+            object.__setattr__(reg.owner, reg.name, ghost_of(value, device, reg.paths[0]))
+            dropped += 1
+        log.debug("pipeline rank %d keeps %d of %d tensors", rank, len(held), len(self.registrations))
+
+    def convert_ghosts(self, rank: int, convert: Any) -> None:
+        """Give the ghosts the dtypes the precision plugin's ``convert`` gives the module's tensors."""
+        held = {id(r) for r in self.held(rank)}
+        store = nn.Module()
+        regs = [r for r in self.registrations if id(r) not in held]
+        for k, reg in enumerate(regs):
+            ghost = reg.owner.__dict__[reg.name]
+            meta = torch.empty_strided(ghost.shape, ghost.stride(), dtype=ghost.dtype, device="meta")
+            if reg.kind == "parameter":
+                store.register_parameter(f"t{k}", nn.Parameter(meta, requires_grad=False))
+            else:
+                store.register_buffer(f"t{k}", meta)
+        converted = convert(store)
+        for k, reg in enumerate(regs):
+            meta = getattr(converted, f"t{k}")
+            old = reg.owner.__dict__[reg.name]
+            object.__setattr__(reg.owner, reg.name, Ghost(meta.detach(), old.device, old._origin))
+
+    def describe(self, rank: int) -> str:
+        held = self.held(rank)
+        numel = sum(t.numel() for t in _unique(held))
+        return f"pipeline rank {rank} holds {len(held)} tensors ({numel:,} values)"
+
+
+def _registrations(module: nn.Module) -> list[Registration]:
+    found: dict[tuple[int, str, str], Registration] = {}
+    for path, sub in module.named_modules(remove_duplicate=False):
+        for kind, table in (("parameter", sub._parameters), ("buffer", sub._buffers)):
+            for name, value in table.items():
+                if value is None or isinstance(value, Ghost):
+                    continue
+                key = (id(sub), name, kind)
+                reg = found.get(key)
+                if reg is None:
+                    persistent = kind == "parameter" or name not in sub._non_persistent_buffers_set
+                    reg = found[key] = Registration(sub, name, kind, value, persistent=persistent)
+                reg.paths.append(f"{path}.{name}" if path else name)
+    return list(found.values())
+
+
+def _refuse_shared_storage(module: nn.Module) -> None:
+    """Two different parameters over the same memory would be trained as one on one device but as two once the
+    stages copy them apart: refuse, naming the fix."""
+    seen: dict[tuple, str] = {}
+    for name, param in module.named_parameters():
+        if param.is_meta or param.numel() == 0:
+            continue
+        key = (param.untyped_storage().data_ptr(), param.storage_offset(), tuple(param.shape))
+        other = seen.get(key)
+        if other is not None:
+            raise ValueError(
+                f"`{other}` and `{name}` are different parameters over the same memory (e.g. one made from the other's"
+                " `.data`). On one device they change together; pipeline stages would train them apart. Tie them by"
+                f" assigning the same Parameter (`module.b.weight = module.a.weight`)."
+            )
+        seen[key] = name
+
+
+def _unique(regs: Iterable[Registration]) -> list[Tensor]:
+    seen: dict[int, Tensor] = {}
+    for reg in regs:
+        seen.setdefault(id(reg.tensor), reg.tensor)
+    return list(seen.values())

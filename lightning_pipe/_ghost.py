@@ -1,0 +1,139 @@
+"""Ghost tensors: stand-ins for values a stage does not compute.
+
+Every stage runs the user's own step code, but only the first stage computes what comes before the backbone (the
+embeddings): on the other stages those values are *ghosts*. A ghost knows its shape, dtype and (real) device, so
+code that reads them (``torch.arange(x.shape[1], device=x.device)``, masks, rotary tables) runs as usual; any
+operation on a ghost gives a ghost, computed on the meta device: no memory, no compute. Reading a ghost's values
+(``.item()``, ``bool()``, ``.tolist()``) raises :class:`GhostValueError`. A real tensor never changes through an
+operation that involves a ghost.
+
+The parameters and buffers a rank does not hold are ghosts too: attribute access (``self.cls_token``) and module
+calls (``self.embed_tokens(ids)``) keep working on every stage, without the memory.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable, Optional
+
+import torch
+from torch.utils._pytree import tree_any, tree_map
+
+_ITEM_OPS = {
+    torch.ops.aten._local_scalar_dense.default,
+    torch.ops.aten.is_nonzero.default,
+    torch.ops.aten.equal.default,
+}
+
+
+#: Called with the ghosts of every operation while set (the setup's analysis of a step watches them).
+observer: Optional[Callable[[Any, list["Ghost"]], None]] = None
+
+
+class GhostValueError(RuntimeError):
+    """User code read the value of a tensor this stage does not compute."""
+
+
+class Ghost(torch.Tensor):
+    """A tensor of a known shape, dtype and device whose values this process never computes.
+
+    Args:
+        meta: a meta tensor with the ghost's shape, strides and dtype.
+        device: the device the ghost reports (where the real value would live).
+        origin: what the ghost stands for, for error messages (e.g. ``"model.embed_tokens.weight"``).
+    """
+
+    _meta: torch.Tensor
+    _origin: str
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(cls, meta: torch.Tensor, device: torch.device, origin: str = "") -> Ghost:
+        ghost = torch.Tensor._make_wrapper_subclass(
+            cls,
+            meta.shape,
+            strides=meta.stride(),
+            storage_offset=meta.storage_offset(),
+            dtype=meta.dtype,
+            device=device,
+            requires_grad=False,
+        )
+        ghost._meta = meta
+        ghost._origin = origin
+        return ghost
+
+    def __init__(self, meta: torch.Tensor, device: torch.device, origin: str = "") -> None:
+        super().__init__()
+
+    def __repr__(self) -> str:
+        origin = f", from {self._origin}" if self._origin else ""
+        return f"Ghost(shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device}{origin})"
+
+    def __deepcopy__(self, memo: dict) -> Ghost:
+        return Ghost(copy.deepcopy(self._meta, memo), self.device, self._origin)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise GhostValueError(
+            f"{self!r} cannot be saved: this process does not hold its value (it belongs to another pipeline stage)."
+        )
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        ghosts = [a for a in _leaves((args, kwargs)) if isinstance(a, Ghost)]
+        first = ghosts[0]
+        if observer is not None:
+            observer(func, ghosts)
+        if func in _ITEM_OPS:
+            raise GhostValueError(
+                f"The code read the value of {first!r}, which this pipeline stage does not compute. Only the first"
+                " stage computes what comes before the backbone, and values a step reads before the backbone call"
+                " (with `.item()`, `bool()`, `if tensor:`) must come from the batch, not from parameters. Compute"
+                " such values from the batch, or move them after the backbone call."
+            )
+        device = first.device
+        if "device" in kwargs and kwargs["device"] is not None:
+            device = torch.device(kwargs["device"])
+            kwargs = {**kwargs, "device": "meta"}
+        metas: dict[int, Ghost] = {}
+
+        def to_meta(value: Any) -> Any:
+            if isinstance(value, Ghost):
+                metas[id(value._meta)] = value
+                return value._meta
+            if isinstance(value, torch.Tensor):
+                return value.to("meta")  # a copy: the real tensor never changes
+            return value
+
+        out = func(*tree_map(to_meta, args), **tree_map(to_meta, kwargs))
+        origin = first._origin
+
+        def to_ghost(value: Any) -> Any:
+            if isinstance(value, torch.Tensor) and value.device.type == "meta":
+                same = metas.get(id(value))  # an in-place op returns its (ghost) argument
+                return same if same is not None else Ghost(value, device, origin)
+            return value
+
+        return tree_map(to_ghost, out)
+
+
+def _leaves(tree: Any) -> list:
+    from torch.utils._pytree import tree_leaves
+
+    return tree_leaves(tree)
+
+
+def ghost_of(tensor: torch.Tensor, device: Optional[torch.device] = None, origin: str = "") -> Ghost:
+    """A ghost with ``tensor``'s shape, strides and dtype, on ``device`` (default: ``tensor``'s own)."""
+    meta = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="meta")
+    return Ghost(meta, device if device is not None else tensor.device, origin)
+
+
+def is_ghost(value: Any) -> bool:
+    return isinstance(value, Ghost)
+
+
+def contains_ghost(tree: Any) -> bool:
+    """Whether any tensor in the pytree ``tree`` is a ghost."""
+    return tree_any(lambda leaf: isinstance(leaf, Ghost), tree)

@@ -1,0 +1,204 @@
+"""Models as people bring them (tests/zoo.py), pipelined with only the strategy changed, against one device.
+
+Two jobs run every case, one per process count (starting processes costs more than these small fits):
+
+- two processes: Hugging Face Llama (1F1B; fit, validate and predict; saved), Hugging Face GPT-2 with its tied head
+  (Interleaved1F1B), nanoGPT with its tied head and the loss inside ``forward`` (ZBVZeroBubble: both ends on one
+  rank), a timm-style ViT (GPipe, activation checkpointing), a torchvision-style ResNet over ``layer1`` ...
+  ``layer4`` (1F1B), a GPT whose blocks take rotary tables and a padding mask (InterleavedZeroBubble), a backbone
+  reusing one block (1F1B), and nanoGPT built on the meta device;
+- four processes: Llama resumed from the two-process checkpoint (another pipeline size), GPT-2 and nanoGPT
+  interleaved over 8 stages, the reused block over 4 (LoopedBFS), and the rotary GPT as 2 pipelines x 2 replicas.
+
+Every case compares the loss of every step and the final parameters with single-device training (SGD with
+momentum, a per-step LR scheduler, gradient clipping and accumulation where noted): within 1e-5.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import zoo
+import zoo_job
+from helpers import merged_state, run_script
+
+HERE = Path(__file__).resolve().parent
+ATOL = 1e-5
+RESNET = {"backbone": ["model.layer1", "model.layer2", "model.layer3", "model.layer4"]}
+ACCUM = {"gradient_clip_val": 0.5, "accumulate_grad_batches": 2}
+
+
+def case(name: str, model: str, strategy: dict, **extra: Any) -> dict[str, Any]:
+    return {"name": name, "model": model, "strategy": strategy, "data": {"n": 32, "batch_size": 8}, **extra}
+
+
+TWO = [
+    case("llama", "hf_llama", {"num_microbatches": 4}, trainer=ACCUM, fns=["fit", "validate", "predict"]),
+    case("gpt2", "hf_gpt2", {"num_microbatches": 4, "schedule": "Interleaved1F1B"},
+         trainer={"enable_model_summary": True}),
+    case("nanogpt_v", "nanogpt", {"num_microbatches": 4, "schedule": "ZBVZeroBubble"}, trainer=ACCUM),
+    case("vit", "vit", {"num_microbatches": 2, "schedule": "GPipe", "activation_checkpointing": True}),
+    case("resnet", "resnet", {"num_microbatches": 4, **RESNET}, trainer={"gradient_clip_val": 0.5}),
+    case("rope", "rope", {"num_microbatches": 4, "schedule": "InterleavedZeroBubble"}),
+    case("albert", "albert", {"num_microbatches": 4}, fns=["fit", "predict"]),
+    case("nanogpt_meta", "nanogpt", {"num_microbatches": 4}, meta_init=True),
+]
+FOUR = [
+    case("llama_resumed", "hf_llama", {"num_microbatches": 4}, trainer={"max_epochs": 2, **ACCUM}),
+    case("gpt2_8", "hf_gpt2", {"num_microbatches": 8, "schedule": "Interleaved1F1B"}, model_kwargs={"layers": 8}),
+    case("nanogpt_8", "nanogpt", {"num_microbatches": 8, "schedule": "Interleaved1F1B"}, model_kwargs={"layers": 8}),
+    case("albert_8", "albert", {"num_microbatches": 4, "schedule": "LoopedBFS"}, model_kwargs={"layers": 8}),
+    case("rope_dp", "rope", {"num_microbatches": 4, "pipeline_parallel_size": 2}, trainer=ACCUM),
+]
+
+
+def launch(work: Path, name: str, devices: int, phases: list[dict], timeout: float = 400) -> Path:
+    spec = work / f"{name}.json"
+    spec.write_text(json.dumps({"devices": devices, "phases": phases}))
+    out = work / name
+    proc = run_script([str(HERE / "zoo_job.py"), str(spec), str(out)], cwd=work, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-8000:]
+    return out
+
+
+def ranks(out: Path, name: str, devices: int) -> list[dict[str, Any]]:
+    return [torch.load(out / f"{name}.rank{r}.pt", weights_only=False) for r in range(devices)]
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("zoo")
+
+
+@pytest.fixture(scope="module")
+def two(work) -> Path:
+    phases = [dict(p) for p in TWO]
+    phases[0]["save"] = str(work / "llama.ckpt")
+    phases[1]["save"] = str(work / "gpt2.ckpt")
+    return launch(work, "two", 2, phases)
+
+
+@pytest.fixture(scope="module")
+def four(work, two) -> Path:
+    phases = [dict(p) for p in FOUR]
+    phases[0]["ckpt_path"] = str(work / "llama.ckpt")
+    return launch(work, "four", 4, phases)
+
+
+def reference(phase: dict[str, Any], **changes: Any) -> dict[str, Any]:
+    return zoo_job.run_phase({**phase, "strategy": None, **changes}, 1)
+
+
+def assert_same_training(got: list[dict[str, Any]], want: dict[str, Any], first_step: int = 0) -> float:
+    """Every rank logged the reference's losses (from ``first_step``) and the union of the ranks' final weights is
+    the reference's; returns the largest difference."""
+    worst = 0.0
+    for r in got:
+        losses = [s["train_loss"] for s in r["steps"]]
+        expected = [s["train_loss"] for s in want["steps"]][first_step:]
+        assert len(losses) == len(expected), (len(losses), len(expected))
+        diffs = [abs(a - b) for a, b in zip(losses, expected)]
+        assert max(diffs) < ATOL, f"rank {r['rank']}: losses differ by up to {max(diffs):.2e}"
+        assert [s["lr"] for s in r["steps"]] == pytest.approx([s["lr"] for s in want["steps"]][first_step:])
+        worst = max(worst, *diffs)
+    merged = merged_state(got)
+    assert set(merged) == set(want["state_dict"]), set(merged) ^ set(want["state_dict"])
+    params = max((merged[k].float() - want["state_dict"][k].float()).abs().max().item() for k in merged)
+    assert params < ATOL, f"final parameters differ by up to {params:.2e}"
+    moved = max((want["state_dict"][k].float() - want["initial"][k].float()).abs().max().item() for k in merged)
+    assert moved > 100 * ATOL, "the parameters barely moved: the comparison would prove nothing"
+    return max(worst, params)
+
+
+@pytest.mark.parametrize("index", range(len(TWO)), ids=[p["name"] for p in TWO])
+def test_two_processes_train_like_one_device(two, index):
+    phase = TWO[index]
+    got = ranks(two, phase["name"], 2)
+    want = reference(phase)
+    if phase.get("meta_init"):  # built on meta: the same weights as the whole model materialised the same way
+        initial = merged_state(got, "initial")
+        assert set(initial) == set(want["initial"])
+        assert all(torch.equal(initial[k], v) for k, v in want["initial"].items())
+    worst = assert_same_training(got, want)
+    print(f"{phase['name']}: largest difference {worst:.1e}")
+    for r in got:  # each rank holds its own part only, and the parts add up to the whole model
+        assert len(r["state_dict"]) < len(want["state_dict"])
+    if "validate" in phase.get("fns", []):
+        for r in got:
+            assert r["validated"][0]["val_loss"] == pytest.approx(want["validated"][0]["val_loss"], abs=ATOL)
+    if "predict" in phase.get("fns", []):
+        for r in got:
+            assert all(torch.equal(a, b) for a, b in zip(r["predictions"], want["predictions"]))
+
+
+@pytest.mark.parametrize("index", range(len(FOUR)), ids=[p["name"] for p in FOUR])
+def test_four_processes_train_like_one_device(four, index):
+    phase = FOUR[index]
+    got = ranks(four, phase["name"], 4)
+    if phase["name"] == "llama_resumed":  # saved by two processes after one epoch, resumed by four
+        want = reference(phase)
+        assert all(r["global_step"] == want["global_step"] for r in got)
+        assert_same_training(got, want, first_step=len(want["steps"]) // 2)
+        return
+    want = reference(phase)
+    if phase["strategy"].get("pipeline_parallel_size") == 2:  # 2 replicas, each fed the whole batch: as one device
+        for replica in (got[:2], got[2:]):
+            assert_same_training(replica, want)
+        return
+    assert_same_training(got, want)
+
+
+def test_tied_weights_stay_tied_and_are_stored_once(two, work):
+    """GPT-2's and nanoGPT's heads are tied to the token embedding: both ends hold it, with identical values after
+    training, and a checkpoint stores it once; consolidated, it loads into the original model with both names."""
+    got = ranks(two, "nanogpt_v", 2)
+    # ZBV puts the first and the last stage on rank 0: it holds both names of the one tensor
+    assert got[0]["tied"] == {"model.lm_head.weight=model.transformer.wte.weight": True}
+    got = ranks(two, "gpt2", 2)
+    first, last = got[0]["state_dict"], got[1]["state_dict"]
+    assert "model.transformer.wte.weight" in first and "model.lm_head.weight" in last
+    assert torch.equal(first["model.transformer.wte.weight"], last["model.lm_head.weight"])
+    stored = _dcp_keys(work / "gpt2.ckpt")
+    assert "state_dict.model.transformer.wte.weight" in stored and "state_dict.model.lm_head.weight" not in stored
+    assert not any(k.startswith("optimizer_0.state.model.lm_head.weight") for k in stored)
+    from lightning_pipe.checkpoint import consolidated_checkpoint
+
+    state = consolidated_checkpoint(work / "gpt2.ckpt")["state_dict"]
+    assert state["model.lm_head.weight"] is state["model.transformer.wte.weight"]  # one tensor, as on one device
+    hf = zoo.make("hf_gpt2").model
+    hf.load_state_dict({k.removeprefix("model."): v for k, v in state.items()}, strict=True)
+
+
+def test_model_summary_counts_the_whole_model(two):
+    """ModelSummary reports the whole model's parameters on every rank, not rank 0's stages."""
+    got = ranks(two, "gpt2", 2)
+    whole = sum(p.numel() for p in zoo.make("hf_gpt2").parameters())
+    assert [r["summary_total"] for r in got] == [whole, whole]
+
+
+def _dcp_keys(path: Path) -> set[str]:
+    import torch.distributed.checkpoint as dcp
+
+    return set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
+
+
+def test_checkpoint_names_are_the_models_own_and_consolidate(two, work):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lightning_pipe.checkpoint import consolidated_checkpoint
+
+    checkpoint = consolidated_checkpoint(work / "llama.ckpt")
+    trained = merged_state(ranks(two, "llama", 2))
+    state = checkpoint["state_dict"]
+    assert list(state) == list(zoo.make("hf_llama").state_dict())  # single-device names and order
+    assert all(torch.equal(state[k], v) for k, v in trained.items())
+    config = LlamaConfig(
+        vocab_size=zoo.VOCAB, hidden_size=zoo.DIM, intermediate_size=2 * zoo.DIM, num_hidden_layers=4,
+        num_attention_heads=zoo.HEADS, num_key_value_heads=2, max_position_embeddings=64,
+    )
+    hf = LlamaForCausalLM(config)
+    hf.load_state_dict({k.removeprefix("model."): v for k, v in state.items()}, strict=True)

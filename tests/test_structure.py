@@ -1,0 +1,212 @@
+"""What cannot be pipelined fails at setup (or, for what only the run shows, at the first step) with the reason and
+the fix; and how the backbone is found. One process: the checks run on every rank alike (test_errors.py shows a
+refusal reaching every rank)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+import zoo
+from torch import nn
+
+from lightning_pipe import BackboneCallError, PipelineStrategy
+from lightning_pipe._ghost import GhostValueError
+
+
+class Net(L.LightningModule):
+    """Embedding, a ModuleList of blocks run in a loop, a head; subclasses change the loop."""
+
+    def __init__(self, blocks: int = 4) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(zoo.VOCAB, zoo.DIM)
+        self.blocks = nn.ModuleList([zoo.NanoBlock() for _ in range(blocks)])
+        self.head = nn.Linear(zoo.DIM, zoo.VOCAB)
+
+    def trunk(self, h: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            h = block(h)
+        return h
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.trunk(self.embed(x)))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y, _ = batch
+        return F.cross_entropy(self(x).flatten(0, 1), y.flatten())
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def fit(model: L.LightningModule, **strategy: Any) -> L.Trainer:
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, strategy=PipelineStrategy(num_microbatches=2, **strategy), max_steps=2,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )
+    trainer.fit(model, zoo.loader("tokens", n=8, batch_size=4))
+    return trainer
+
+
+class KeepsAll(Net):
+    def trunk(self, h):
+        kept = []
+        for block in self.blocks:
+            h = block(h)
+            kept.append(h)
+        return torch.stack(kept).mean(0)
+
+
+class Between(Net):
+    def trunk(self, h):
+        for block in self.blocks:
+            h = block(h) * 0.5
+        return h
+
+
+class Reversed(Net):
+    def trunk(self, h):
+        for block in reversed(self.blocks):
+            h = block(h)
+        return h
+
+
+class FirstTwo(Net):
+    def trunk(self, h):
+        for block in self.blocks[:2]:
+            h = block(h)
+        return h
+
+
+class ReadsEmbedding(Net):
+    def forward(self, x):
+        h = self.embed(x)
+        if h.mean() > 0:  # a decision on a value only the first stage computes
+            h = h * 2
+        return self.head(self.trunk(h))
+
+
+class SkipsOver(Net):
+    def forward(self, x):
+        h = self.embed(x)
+        return self.head(self.trunk(h) + h)  # the embedding's output after the backbone
+
+
+class DictBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = zoo.NanoBlock()
+
+    def forward(self, h: torch.Tensor) -> dict:
+        return {"hidden": self.inner(h)}
+
+
+class ReturnsDict(Net):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([DictBlock() for _ in range(4)])
+
+    def trunk(self, h):
+        for block in self.blocks:
+            h = block(h)["hidden"]
+        return h
+
+
+class Cache:
+    """Stands for a cache of keys and values that already holds tokens (generation)."""
+
+    def get_seq_length(self) -> int:
+        return 5
+
+
+class CacheBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = zoo.NanoBlock()
+
+    def forward(self, h: torch.Tensor, past_key_values: Any = None) -> torch.Tensor:
+        return self.inner(h)
+
+
+class WithCache(Net):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([CacheBlock() for _ in range(4)])
+
+    def trunk(self, h):
+        cache = Cache()
+        for block in self.blocks:
+            h = block(h, past_key_values=cache)
+        return h
+
+
+class SharedMemory(Net):
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(zoo.DIM, zoo.VOCAB, bias=False)
+        self.head.weight = nn.Parameter(self.embed.weight.data)  # not a tie: two parameters over one memory
+
+
+class TwoStacks(Net):
+    def __init__(self) -> None:
+        super().__init__()
+        self.decoder = nn.ModuleList([zoo.NanoBlock() for _ in range(4)])
+
+
+@pytest.mark.parametrize(
+    ("model", "strategy", "error", "match"),
+    [
+        (KeepsAll, {}, BackboneCallError, r"output of block `blocks.0` is used by code other than the next block"),
+        (Between, {}, BackboneCallError, r"reaches `blocks.1` is not what `blocks.0` returned: code between two"),
+        (Reversed, {}, BackboneCallError, r"called block 3 \(`blocks.3`\) when block 0 was next"),
+        (FirstTwo, {}, BackboneCallError, r"called only the first 2 of the 4 backbone blocks; the next was `blocks.2`"),
+        (ReadsEmbedding, {}, GhostValueError, r"read the value of .*from embed.weight.*must come from the batch"),
+        (ReturnsDict, {}, BackboneCallError, r"Block `blocks.0` returns a dict.*tensor, or a tuple or list"),
+        (WithCache, {}, BackboneCallError, r"Cache that already holds keys and values.*use_cache=False"),
+        (SharedMemory, {}, ValueError, r"`embed.weight` and `head.weight` are different parameters over the same"),
+        (TwoStacks, {}, ValueError, r"cannot choose: 2 containers.*'blocks' \(4 x NanoBlock\), 'decoder'"),
+        (Net, {"backbone": ["blocks", "blocks"]}, ValueError, r"`blocks` is inside `blocks` \(or the same"),
+        (SkipsOver, {}, BackboneCallError, r"The loss depends on values the last pipeline stage does not compute"),
+    ],
+)
+def test_what_cannot_be_pipelined_is_refused(model, strategy, error, match):
+    with pytest.raises(error, match=match):
+        fit(model(), **strategy)
+
+
+def test_code_between_containers_is_refused():
+    class Pooled(zoo.LitResNet):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model.forward = self.between  # type: ignore[method-assign]
+
+        def between(self, x: torch.Tensor) -> torch.Tensor:
+            m = self.model
+            x = m.maxpool(m.relu(m.bn1(m.conv1(x))))
+            x = m.layer2(m.layer1(x) * 1.0)  # code between two containers of the backbone
+            x = m.layer4(m.layer3(x))
+            return m.fc(torch.flatten(m.avgpool(x), 1))
+
+    backbone = ["model.layer1", "model.layer2", "model.layer3", "model.layer4"]
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, strategy=PipelineStrategy(num_microbatches=2, backbone=backbone), max_steps=1,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )
+    with pytest.raises(BackboneCallError, match=r"reaches `model.layer2.0` is not what `model.layer1.0` returned"):
+        trainer.fit(Pooled(), zoo.loader("resnet", n=8, batch_size=4))
+
+
+def test_auto_finds_the_longest_container_and_says_so(caplog):
+    class Longest(Net):
+        def __init__(self) -> None:
+            super().__init__()
+            self.adapters = nn.ModuleList([nn.Linear(zoo.DIM, zoo.DIM) for _ in range(2)])  # shorter: not chosen
+
+    with caplog.at_level("INFO"):
+        trainer = fit(Longest())
+    assert "pipelining `blocks` (4 x NanoBlock)" in caplog.text
+    assert trainer.strategy.runtime.cut.backbone.paths == ("blocks",)

@@ -1,0 +1,442 @@
+"""Models built the way people bring them, each wrapped in an ordinary LightningModule.
+
+- ``hf_llama`` / ``hf_gpt2``: Hugging Face ``transformers`` causal LMs from tiny configs (random weights, no
+  download): blocks in ``model.model.layers`` / ``transformer.h`` (an ``nn.ModuleList`` run in a loop with masks and
+  rotary tables), embeddings and head outside, the loss computed inside ``forward`` from ``labels``; GPT-2 ties its
+  head to the token embedding.
+- ``nanogpt``: nanoGPT's ``model.py`` structure: ``transformer.h`` loop, ``wte``/``wpe``/``drop`` before, ``ln_f``
+  and a head tied to ``wte`` after, the loss inside ``forward`` when ``targets`` is given.
+- ``vit``: timm's ViT structure: patch embedding, a class token and position embedding used as parameters directly,
+  ``blocks`` an ``nn.Sequential`` called as a whole, norm and head after.
+- ``resnet``: torchvision's ResNet structure: stem, ``layer1`` ... ``layer4`` (consecutive ``nn.Sequential``s whose
+  first blocks change the shape), pooling and ``fc``.
+- ``rope``: a GPT whose blocks take rotary ``cos``/``sin`` tables (buffers of the root module) and an attention mask
+  built from the batch, litgpt-style.
+- ``albert``: one block reused for every layer of the backbone (its parameters are shared by every stage).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+VOCAB, DIM, SEQ, HEADS = 48, 32, 8, 4
+
+
+# ----------------------------------------------------------------------------------------------------- data
+def tokens(n: int = 32, seed: int = 0, pad: bool = False) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(1, VOCAB, (n, SEQ), generator=g)
+    y = torch.roll(x, -1, dims=1)
+    mask = torch.ones(n, SEQ, dtype=torch.long)
+    if pad:  # the first positions of every other row are padding
+        mask[::2, :2] = 0
+    return TensorDataset(x, y, mask)
+
+
+def images(n: int = 32, seed: int = 0, size: int = 16, classes: int = 10) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    return TensorDataset(torch.randn(n, 3, size, size, generator=g), torch.randint(0, classes, (n,), generator=g))
+
+
+def loader(name: str, n: int = 32, batch_size: int = 8, seed: int = 0) -> DataLoader:
+    """Data for the zoo model ``name``: images for the vision models, tokens (padded for ``rope``) otherwise."""
+    data = images(n, seed) if name in ("vit", "resnet") else tokens(n, seed, pad=name == "rope")
+    return DataLoader(data, batch_size=batch_size)
+
+
+# ----------------------------------------------------------------------------------------------------- base
+class Lit(L.LightningModule):
+    """The LightningModule every zoo model uses: cross-entropy on the output, SGD with momentum or AdamW."""
+
+    def __init__(self, lr: float = 0.05, optimizer: str = "sgd", scheduler: bool = True) -> None:
+        super().__init__()
+        self.lr, self.optimizer_name, self.use_scheduler = lr, optimizer, scheduler
+
+    def loss(self, batch: Any) -> torch.Tensor:
+        raise NotImplementedError
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = self.loss(batch)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", self.loss(batch), sync_dist=True)
+
+    def configure_optimizers(self) -> Any:
+        if self.optimizer_name == "adamw":
+            opt: torch.optim.Optimizer = torch.optim.AdamW(self.parameters(), lr=self.lr)
+        else:
+            opt = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+        if not self.use_scheduler:
+            return opt
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.7)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+# ----------------------------------------------------------------------------------------------------- Hugging Face
+class HFCausalLM(Lit):
+    """A ``transformers`` causal LM, with only the LightningModule around it."""
+
+    def __init__(self, family: str = "llama", layers: int = 4, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+        if family == "llama":
+            config = LlamaConfig(
+                vocab_size=VOCAB, hidden_size=DIM, intermediate_size=2 * DIM, num_hidden_layers=layers,
+                num_attention_heads=HEADS, num_key_value_heads=2, max_position_embeddings=64,
+            )
+            self.model = LlamaForCausalLM(config)
+        else:
+            config = GPT2Config(
+                vocab_size=VOCAB, n_embd=DIM, n_layer=layers, n_head=HEADS, n_positions=64,
+                resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+            )
+            self.model = GPT2LMHeadModel(config)
+
+    def forward(self, x: torch.Tensor, labels: Optional[torch.Tensor] = None) -> Any:
+        return self.model(input_ids=x, labels=labels)
+
+    def loss(self, batch: Any) -> torch.Tensor:
+        x, _, _ = batch
+        return self(x, labels=x).loss
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self(batch[0]).logits.argmax(-1)
+
+
+# ----------------------------------------------------------------------------------------------------- nanoGPT
+class CausalSelfAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.c_attn = nn.Linear(DIM, 3 * DIM)
+        self.c_proj = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.c_attn(x).split(DIM, dim=2)
+        q, k, v = (z.view(b, t, HEADS, c // HEADS).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(b, t, c))
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.c_fc, self.c_proj = nn.Linear(DIM, 4 * DIM), nn.Linear(4 * DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c_proj(F.gelu(self.c_fc(x)))
+
+
+class NanoBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln_1, self.attn, self.ln_2, self.mlp = nn.LayerNorm(DIM), CausalSelfAttention(), nn.LayerNorm(DIM), MLP()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class NanoGPT(nn.Module):
+    """nanoGPT's GPT: the head tied to the token embedding, the loss inside ``forward`` when targets are given."""
+
+    def __init__(self, layers: int = 4) -> None:
+        super().__init__()
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(VOCAB, DIM),
+            wpe=nn.Embedding(SEQ, DIM),
+            drop=nn.Dropout(0.0),
+            h=nn.ModuleList([NanoBlock() for _ in range(layers)]),
+            ln_f=nn.LayerNorm(DIM),
+        ))
+        self.lm_head = nn.Linear(DIM, VOCAB, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight  # weight tying, as in nanoGPT
+
+    def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None) -> tuple:
+        b, t = idx.size()
+        pos = torch.arange(0, t, dtype=torch.long, device=idx.device)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        for block in self.transformer.h:
+            x = block(x)
+        x = self.transformer.ln_f(x)
+        if targets is not None:
+            logits = self.lm_head(x)
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+        else:
+            logits = self.lm_head(x[:, [-1], :])
+            loss = None
+        return logits, loss
+
+
+class LitNanoGPT(Lit):
+    def __init__(self, layers: int = 4, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.model = NanoGPT(layers)
+
+    def loss(self, batch: Any) -> torch.Tensor:
+        x, y, _ = batch
+        _, loss = self.model(x, y)
+        return loss
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        logits, _ = self.model(batch[0])
+        return logits.argmax(-1)
+
+
+# ----------------------------------------------------------------------------------------------------- timm ViT
+class Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.proj = nn.Linear(DIM, 3 * DIM), nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).reshape(b, n, 3, HEADS, c // HEADS).permute(2, 0, 3, 1, 4)
+        return self.proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, c))
+
+
+class VitBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm1, self.attn = nn.LayerNorm(DIM), Attention()
+        self.norm2 = nn.LayerNorm(DIM)
+        self.mlp = nn.Sequential(nn.Linear(DIM, 2 * DIM), nn.GELU(), nn.Linear(2 * DIM, DIM))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class PatchEmbed(nn.Module):
+    def __init__(self, patch: int = 4) -> None:
+        super().__init__()
+        self.proj = nn.Conv2d(3, DIM, kernel_size=patch, stride=patch)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x).flatten(2).transpose(1, 2)
+
+
+class VisionTransformer(nn.Module):
+    """timm's layout: ``cls_token`` and ``pos_embed`` are parameters of this module, read directly."""
+
+    def __init__(self, depth: int = 4, classes: int = 10, size: int = 16, patch: int = 4) -> None:
+        super().__init__()
+        self.patch_embed = PatchEmbed(patch)
+        self.cls_token = nn.Parameter(torch.randn(1, 1, DIM) * 0.02)
+        self.pos_embed = nn.Parameter(torch.randn(1, (size // patch) ** 2 + 1, DIM) * 0.02)
+        self.pos_drop = nn.Dropout(0.0)
+        self.norm_pre = nn.Identity()
+        self.blocks = nn.Sequential(*[VitBlock() for _ in range(depth)])
+        self.norm = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, classes)
+
+    def _pos_embed(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
+        return self.pos_drop(x + self.pos_embed)
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.norm_pre(self._pos_embed(self.patch_embed(x)))
+        x = self.blocks(x)
+        return self.norm(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.forward_features(x)[:, 0])
+
+
+class LitVit(Lit):
+    def __init__(self, layers: int = 4, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.model = VisionTransformer(depth=layers)
+
+    def loss(self, batch: Any) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(self.model(x), y)
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.model(batch[0]).argmax(-1)
+
+
+# --------------------------------------------------------------------------------------------- torchvision ResNet
+class BasicBlock(nn.Module):
+    def __init__(self, inplanes: int, planes: int, stride: int = 1, norm: Any = None) -> None:
+        super().__init__()
+        norm = norm or nn.BatchNorm2d
+        self.conv1 = nn.Conv2d(inplanes, planes, 3, stride, 1, bias=False)
+        self.bn1 = norm(planes)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(planes, planes, 3, 1, 1, bias=False)
+        self.bn2 = norm(planes)
+        self.downsample = None
+        if stride != 1 or inplanes != planes:
+            self.downsample = nn.Sequential(nn.Conv2d(inplanes, planes, 1, stride, bias=False), norm(planes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        identity = x
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        if self.downsample is not None:
+            identity = self.downsample(x)
+        out += identity
+        return self.relu(out)
+
+
+def _group_norm(channels: int) -> nn.Module:
+    return nn.GroupNorm(4, channels)
+
+
+class ResNet(nn.Module):
+    """torchvision's ``_forward_impl``: stem, four consecutive containers, pooling and ``fc``."""
+
+    def __init__(
+        self, layers: tuple[int, ...] = (1, 1, 1, 1), classes: int = 10, batchnorm: bool = False
+    ) -> None:
+        super().__init__()
+        norm = None if batchnorm else _group_norm
+        width = 8
+        self.conv1 = nn.Conv2d(3, width, 3, 1, 1, bias=False)
+        self.bn1 = (norm or nn.BatchNorm2d)(width)
+        self.relu = nn.ReLU(inplace=True)
+        self.maxpool = nn.MaxPool2d(kernel_size=3, stride=2, padding=1)
+        inplanes = width
+        for i, blocks in enumerate(layers):
+            stride = 1 if i == 0 else 2
+            out = width * 2**i
+            first = BasicBlock(inplanes, out, stride, norm)
+            rest = [BasicBlock(out, out, 1, norm) for _ in range(blocks - 1)]
+            setattr(self, f"layer{i + 1}", nn.Sequential(first, *rest))
+            inplanes = out
+        self.avgpool = nn.AdaptiveAvgPool2d((1, 1))
+        self.fc = nn.Linear(inplanes, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
+        x = self.layer1(x)
+        x = self.layer2(x)
+        x = self.layer3(x)
+        x = self.layer4(x)
+        x = self.avgpool(x)
+        x = torch.flatten(x, 1)
+        return self.fc(x)
+
+
+class LitResNet(Lit):
+    def __init__(self, layers: tuple[int, ...] = (1, 1, 1, 1), batchnorm: bool = False, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.model = ResNet(tuple(layers), batchnorm=batchnorm)
+
+    def loss(self, batch: Any) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(self.model(x), y)
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.model(batch[0]).argmax(-1)
+
+
+# ----------------------------------------------------------------------------------------------------- RoPE GPT
+def rope_tables(head_dim: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    inv = 1.0 / 10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(length, dtype=torch.float32), inv)
+    return angles.cos(), angles.sin()
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+
+
+class RopeBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm1, self.qkv, self.proj = nn.LayerNorm(DIM), nn.Linear(DIM, 3 * DIM, bias=False), nn.Linear(DIM, DIM)
+        self.norm2, self.fc1, self.fc2 = nn.LayerNorm(DIM), nn.Linear(DIM, 2 * DIM), nn.Linear(2 * DIM, DIM)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, HEADS, c // HEADS).permute(2, 0, 3, 1, 4)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        att = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        x = x + self.proj(att.transpose(1, 2).reshape(b, t, c))
+        return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
+
+
+class RopeGPT(Lit):
+    """litgpt-style: ``cos``/``sin`` are buffers of this module, sliced per call; the mask comes from the batch."""
+
+    def __init__(self, layers: int = 4, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.wte = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList([RopeBlock() for _ in range(layers)])
+        self.ln_f = nn.LayerNorm(DIM)
+        self.lm_head = nn.Linear(DIM, VOCAB)
+        cos, sin = rope_tables(DIM // HEADS, 64)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def forward(self, idx: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        cos, sin = self.cos[:t], self.sin[:t]
+        causal = torch.ones(t, t, dtype=torch.bool, device=idx.device).tril()
+        mask = causal[None, None] & attention_mask.bool()[:, None, None, :]
+        mask = mask | torch.eye(t, dtype=torch.bool, device=idx.device)  # every row attends somewhere
+        x = self.wte(idx)
+        for block in self.blocks:
+            x = block(x, cos, sin, mask)
+        return self.lm_head(self.ln_f(x))
+
+    def loss(self, batch: Any) -> torch.Tensor:
+        x, y, mask = batch
+        logits = self(x, mask)
+        return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self(batch[0], batch[2]).argmax(-1)
+
+
+# ----------------------------------------------------------------------------------------------------- ALBERT-style
+class Albert(Lit):
+    """One block reused for every layer: its parameters are shared by every stage that runs a layer."""
+
+    def __init__(self, layers: int = 4, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.shared = NanoBlock()
+        self.layers = nn.ModuleList([self.shared for _ in range(layers)])
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h)
+
+    def loss(self, batch: Any) -> torch.Tensor:
+        x, y, _ = batch
+        return F.cross_entropy(self(x).flatten(0, 1), y.flatten())
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self(batch[0]).argmax(-1)
+
+
+ZOO = {
+    "hf_llama": lambda **kw: HFCausalLM("llama", **kw),
+    "hf_gpt2": lambda **kw: HFCausalLM("gpt2", **kw),
+    "nanogpt": LitNanoGPT,
+    "vit": LitVit,
+    "resnet": LitResNet,
+    "rope": RopeGPT,
+    "albert": Albert,
+}
+
+
+def make(name: str, seed: int = 1234, **kwargs: Any) -> L.LightningModule:
+    torch.manual_seed(seed)
+    return ZOO[name](**kwargs)

@@ -1,0 +1,138 @@
+"""Zoo models (tests/zoo.py) trained as their own script, so Lightning's launcher can start the other ranks from it.
+
+Usage: ``python tests/zoo_job.py SPEC.json OUT_DIR``. The spec holds ``devices`` and a list of ``phases``, run one
+after the other in the same processes (starting processes costs more than a small fit). A phase:
+
+- ``name``: where its results go (``OUT_DIR/<name>.rank<r>.pt``);
+- ``model``: a key of ``zoo.ZOO``, with ``model_kwargs``; ``meta_init``: build it on the meta device (without a
+  strategy it is then materialised with ``lightning_pipe.materialize``, as the pipeline materialises its stages);
+- ``strategy``: ``PipelineStrategy`` kwargs, or null for the single-device reference; ``trainer``: Trainer kwargs;
+- ``data``: kwargs of ``zoo.loader``; ``fns``: ``fit``, ``validate`` and/or ``predict`` (default ``["fit"]``);
+- ``save``: a path to ``trainer.save_checkpoint`` after the fns; ``ckpt_path``: for ``fit``;
+- ``expect_error``: the phase must raise; its message is recorded.
+
+Every rank records the losses and learning rates of every step, its state dict before and after training, the
+callback metrics, predictions and validation values, and, for parameters with several names on this rank (a tied
+head), whether the names still hold the same tensor. :func:`run_phase` runs one phase in the calling process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Any, Optional
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import ModelSummary
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import zoo
+
+from lightning_pipe import PipelineStrategy
+
+
+class Recorder(L.Callback):
+    def __init__(self) -> None:
+        self.steps: list[dict[str, float]] = []
+        self.initial: Optional[dict[str, torch.Tensor]] = None
+        self.val: list[float] = []
+
+    def on_train_start(self, trainer, pl_module):
+        if self.initial is None:
+            self.initial = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.steps.append({
+            "train_loss": float(trainer.callback_metrics["train_loss"]),
+            "returned_loss": float(outputs["loss"]),
+            "lr": trainer.optimizers[0].param_groups[0]["lr"],
+        })
+
+    def on_validation_end(self, trainer, pl_module):
+        if not trainer.sanity_checking and "val_loss" in trainer.callback_metrics:
+            self.val.append(float(trainer.callback_metrics["val_loss"]))
+
+
+def run_phase(phase: dict[str, Any], devices: int) -> dict[str, Any]:
+    kwargs = phase.get("model_kwargs", {})
+    if phase.get("meta_init"):
+        with torch.device("meta"):
+            model = zoo.make(phase["model"], **kwargs)
+        if phase.get("strategy") is None:  # the reference: the whole model materialised as the pipeline does
+            from lightning_pipe import materialize
+
+            materialize(model, torch.device("cpu"))
+    else:
+        model = zoo.make(phase["model"], **kwargs)
+    recorder = Recorder()
+    trainer_kwargs: dict[str, Any] = dict(
+        accelerator="cpu", devices=devices, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, use_distributed_sampler=False, callbacks=[recorder],
+        max_epochs=1,
+    )
+    if phase.get("strategy") is not None:
+        trainer_kwargs["strategy"] = PipelineStrategy(**phase["strategy"])
+    elif "strategy_name" in phase:
+        trainer_kwargs["strategy"] = phase["strategy_name"]
+    trainer_kwargs.update(phase.get("trainer", {}))
+    trainer = L.Trainer(**trainer_kwargs)
+    data = phase.get("data", {})
+    train = zoo.loader(phase["model"], **data)
+    val = zoo.loader(phase["model"], **{**data, "seed": 1})
+    result: dict[str, Any] = {"error": None, "predictions": None}
+    try:
+        for fn in phase.get("fns", ["fit"]):
+            if fn == "fit":
+                val_in_fit = val if phase.get("validate_in_fit") else None
+                trainer.fit(model, train, val_in_fit, ckpt_path=phase.get("ckpt_path"))
+            elif fn == "validate":
+                result["validated"] = trainer.validate(model, val, verbose=False)
+            elif fn == "predict":
+                result["predictions"] = [p.cpu() for p in trainer.predict(model, val)]
+        if "save" in phase:
+            trainer.save_checkpoint(phase["save"])
+    except Exception as err:
+        if not phase.get("expect_error"):
+            raise
+        result["error"] = "".join(traceback.format_exception_only(type(err), err))
+    pipelined = isinstance(trainer.strategy, PipelineStrategy)
+    summaries = [cb for cb in trainer.callbacks if isinstance(cb, ModelSummary)]
+    if summaries:  # what the summary reports as the model's size (computed on every rank alike)
+        result["summary_total"] = summaries[0]._summary(trainer, model).total_parameters
+    state = model.state_dict(keep_vars=True)
+    tied = {}
+    for key, value in state.items():
+        for other, value2 in state.items():
+            if key < other and value is value2:
+                tied[f"{key}={other}"] = True
+    result.update(
+        steps=recorder.steps,
+        val=recorder.val,
+        initial=recorder.initial,
+        state_dict={k: v.detach().cpu().clone() for k, v in state.items()},
+        tied=tied,
+        callback_metrics={k: float(v) for k, v in trainer.callback_metrics.items()},
+        global_step=trainer.global_step,
+        rank=trainer.global_rank,
+        layout=[list(b) for b in trainer.strategy.layout.bounds] if pipelined else None,
+    )
+    return result
+
+
+def main(spec_file: str, out_dir: str) -> None:
+    spec = json.loads(Path(spec_file).read_text())
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for phase in spec["phases"]:
+        result = run_phase(phase, spec["devices"])
+        torch.save(result, out / f"{phase['name']}.rank{result['rank']}.pt")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
