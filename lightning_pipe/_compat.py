@@ -38,6 +38,12 @@ torch (checked against 2.13.0):
   ``torch.distributed.checkpoint.state_dict_loader._load_state_dict``: read a DCP checkpoint into an empty state dict
   in one process (consolidation); ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save`` does the same
   through a file.
+- A V-shaped schedule's (``ZBVZeroBubble``, ``DualPipeV``) ``pipeline_order`` (its compute actions per rank,
+  ``_Action`` with ``computation_type`` and ``sub_actions``), ``stage_index_to_group_rank``, ``_num_stages``,
+  ``pipeline_order_with_comms`` and the lowering ``schedules._add_send_recv``: evaluation runs the forward actions
+  only, with torch's own communication actions added (:func:`keep_forward_actions`). torch's ``eval()`` on these
+  schedules fails on the stage-local gradient hand-over between a rank's two stages ("can't steal_bwd_input if this
+  stage doesn't have backward"), and its own lowering refuses a schedule without backward actions.
 - ``torch.distributed.pipelining.schedules._batch_p2p`` and ``_wait_batch_p2p`` (module globals every schedule
   posts and waits for its transfers through), ``_PipelineSchedule._maybe_compute_loss``, ``_loss_fn``, and a
   schedule's ``_stage``/``_stages``: wrapped for the duration of one traced step by ``timeline=`` (no hook exists
@@ -158,6 +164,28 @@ P2P_POST = "_batch_p2p"
 P2P_WAIT = "_wait_batch_p2p"
 #: The schedule method that runs the loss after each forward of the last stage.
 SCHEDULE_LOSS_METHOD = "_maybe_compute_loss"
+
+
+def keep_forward_actions(schedule: Any) -> None:
+    """Make a schedule built from a compute-only action list (the V-shaped ones) run its forward actions only, in
+    their order: a forward-only pass."""
+    from torch.distributed.pipelining.schedules import FORWARD
+
+    def forwards(action: Any) -> list[Any]:
+        if action is None:
+            return []
+        if action.computation_type == FORWARD:
+            return [action]
+        return [a for a in (action.sub_actions or ()) if a.computation_type == FORWARD]
+
+    from torch.distributed.pipelining.schedules import _add_send_recv
+
+    order = {rank: [f for a in actions for f in forwards(a)] for rank, actions in schedule.pipeline_order.items()}
+    stage_rank = schedule.stage_index_to_group_rank
+    schedule.pipeline_order = order
+    schedule.pipeline_order_with_comms = _add_send_recv(
+        order, stage_to_rank=lambda s: stage_rank[s], num_stages=schedule._num_stages
+    )
 
 
 def torch_schedules_module() -> Any:

@@ -32,6 +32,7 @@ from torch.distributed.pipelining.schedules import (
 )
 from torch.utils._pytree import tree_leaves
 
+from lightning_pipe import _compat
 from lightning_pipe._program import StepProgram
 from lightning_pipe.partition import StageLayout
 from lightning_pipe.schedules import ScheduleSpec
@@ -182,7 +183,10 @@ class StagePipeline:
         loss_fn = self._loss if training else None
         multi = self.schedule.multi_stage
         try:
-            return _construct(self.schedule_class, stages, num_microbatches, loss_fn, multi)
+            schedule = _construct(self.schedule_class, stages, num_microbatches, loss_fn, multi)
+            if not training and self.schedule.placement == "v":
+                _compat.keep_forward_actions(schedule)  # torch's eval() cannot run these schedules (see _compat)
+            return schedule
         except ValueError as err:
             if num_microbatches == self.num_microbatches or self.schedule.placement == "v":
                 raise ValueError(

@@ -3,10 +3,11 @@
 Two jobs run every case, one per process count (starting processes costs more than these small fits):
 
 - two processes: Hugging Face Llama (1F1B; fit, validate and predict; saved), Hugging Face GPT-2 with its tied head
-  (Interleaved1F1B), nanoGPT with its tied head and the loss inside ``forward`` (ZBVZeroBubble: both ends on one
-  rank), a timm-style ViT (GPipe, activation checkpointing), a torchvision-style ResNet over ``layer1`` ...
-  ``layer4`` (1F1B), a GPT whose blocks take rotary tables and a padding mask (InterleavedZeroBubble), a backbone
-  reusing one block (1F1B), and nanoGPT built on the meta device;
+  (Interleaved1F1B; ModelSummary), nanoGPT with its tied head and the loss inside ``forward`` (ZBVZeroBubble: both
+  ends on one rank; fit, validate, predict), a timm-style ViT (GPipe, activation checkpointing), a torchvision-style
+  ResNet over ``layer1`` ... ``layer4`` (DualPipeV; fit and validate), a GPT whose blocks take rotary tables and a
+  padding mask (InterleavedZeroBubble, balance="time"), a backbone reusing one block (1F1B), and nanoGPT built on
+  the meta device;
 - four processes: Llama resumed from the two-process checkpoint (another pipeline size), GPT-2 and nanoGPT
   interleaved over 8 stages, the reused block over 4 (LoopedBFS), and the rotary GPT as 2 pipelines x 2 replicas.
 
@@ -40,10 +41,12 @@ TWO = [
     case("llama", "hf_llama", {"num_microbatches": 4}, trainer=ACCUM, fns=["fit", "validate", "predict"]),
     case("gpt2", "hf_gpt2", {"num_microbatches": 4, "schedule": "Interleaved1F1B"},
          trainer={"enable_model_summary": True}),
-    case("nanogpt_v", "nanogpt", {"num_microbatches": 4, "schedule": "ZBVZeroBubble"}, trainer=ACCUM),
+    case("nanogpt_v", "nanogpt", {"num_microbatches": 4, "schedule": "ZBVZeroBubble"}, trainer=ACCUM,
+         fns=["fit", "validate", "predict"]),
     case("vit", "vit", {"num_microbatches": 2, "schedule": "GPipe", "activation_checkpointing": True}),
-    case("resnet", "resnet", {"num_microbatches": 4, **RESNET}, trainer={"gradient_clip_val": 0.5}),
-    case("rope", "rope", {"num_microbatches": 4, "schedule": "InterleavedZeroBubble"}),
+    case("resnet", "resnet", {"num_microbatches": 4, "schedule": "DualPipeV", **RESNET},
+         trainer={"gradient_clip_val": 0.5}, fns=["fit", "validate"]),
+    case("rope", "rope", {"num_microbatches": 4, "schedule": "InterleavedZeroBubble", "balance": "time"}),
     case("albert", "albert", {"num_microbatches": 4}, fns=["fit", "predict"]),
     case("nanogpt_meta", "nanogpt", {"num_microbatches": 4}, meta_init=True),
 ]
