@@ -9,6 +9,11 @@ size (``ru_maxrss``). Only the local stage is ever allocated, so the per-rank pe
 Part 2 trains the same kind of model on 2 processes with and without ``activation_checkpointing=True`` and
 reports, per rank, the bytes of activations autograd kept for backward (a saved-tensor hook counts them: a
 deterministic stand-in for peak activation memory on CPU) and the median step time.
+
+Part 3 is a GPT whose embedding and head are large (vocabulary 65536 x 512, 4 blocks of 512), built the usual way
+(blocks in an ``nn.ModuleList`` run in a loop, embedding and head outside them), on meta, with and without the head
+tied to the embedding: each rank holds its blocks plus the embedding (first stage) or the head (last stage); a tied
+head lives on both.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 import torch
@@ -56,6 +62,29 @@ class Model(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=1e-3)
 
 
+class GPT(L.LightningModule):
+    """Embedding, a loop over blocks, final norm, head (tied to the embedding or not), as language models are built."""
+
+    def __init__(self, vocab: int, dim: int, blocks: int, tied: bool) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList([MLPBlock(dim) for _ in range(blocks)])
+        self.ln_f = nn.LayerNorm(dim)
+        self.lm_head = nn.Linear(dim, vocab, bias=False)
+        if tied:
+            self.lm_head.weight = self.wte.weight
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        h = self.wte(x)
+        for block in self.blocks:
+            h = block(h)
+        return F.cross_entropy(self.lm_head(self.ln_f(h)).flatten(0, 1), y.flatten())
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+
 class Probe(L.Callback):
     def __init__(self, count_saved: bool) -> None:
         self.count_saved, self.saved, self.times = count_saved, [], []
@@ -80,7 +109,11 @@ class Probe(L.Callback):
 
 def worker(args: dict) -> None:
     torch.manual_seed(0)
-    data = TensorDataset(torch.randn(64, args["seq"], args["dim"]), torch.randn(64, args["seq"]))
+    if args.get("vocab"):
+        tokens = torch.randint(0, args["vocab"], (64, args["seq"]))
+        data = TensorDataset(tokens, torch.roll(tokens, -1, 1))
+    else:
+        data = TensorDataset(torch.randn(64, args["seq"], args["dim"]), torch.randn(64, args["seq"]))
     probe = Probe(count_saved=args["count_saved"])
     trainer = L.Trainer(
         accelerator="cpu", devices=args["devices"], max_steps=args["steps"], logger=False, enable_checkpointing=False,
@@ -88,7 +121,10 @@ def worker(args: dict) -> None:
         strategy=PipelineStrategy(num_microbatches=4, activation_checkpointing=args["ac"]),
     )
     with trainer.init_module(empty_init=True):
-        model = Model(args["dim"], args["blocks"])
+        if args.get("vocab"):
+            model: L.LightningModule = GPT(args["vocab"], args["dim"], args["blocks"], args["tied"])
+        else:
+            model = Model(args["dim"], args["blocks"])
     trainer.fit(model, DataLoader(data, batch_size=args["batch"]))
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     out = {
@@ -100,11 +136,11 @@ def worker(args: dict) -> None:
 
 
 def run(
-    devices: int, dim: int, blocks: int, ac: bool, count_saved: bool, steps: int, seq: int, batch: int
+    devices: int, dim: int, blocks: int, ac: bool, count_saved: bool, steps: int, seq: int, batch: int, **gpt: Any
 ) -> list[dict]:
     out = tempfile.mkdtemp()
     args = dict(devices=devices, dim=dim, blocks=blocks, ac=ac, count_saved=count_saved, steps=steps, seq=seq,
-                batch=batch, out=out)
+                batch=batch, out=out, **gpt)
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
     subprocess.run([sys.executable, __file__, "--worker", json.dumps(args)], check=True, env=env,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=600)
@@ -124,6 +160,14 @@ def main() -> None:
             print(f"{str(ac):>13} {r['rank']:>4} {r['saved_mb']:>21.1f} {r['step_s']:>8.3f}")
         for r in run(2, dim=512, blocks=8, ac=ac, count_saved=False, steps=6, seq=128, batch=32):
             print(f"{'(timing)':>13} {r['rank']:>4} {'':>21} {r['step_s']:>8.3f}")
+    print("\nPart 3: GPT with a large embedding and head (vocabulary 65536 x 512, 4 blocks), built on meta, one step")
+    print(f"{'head':>6} {'processes':>9} {'rank':>4} {'local params MB':>16} {'peak RSS MB':>12}")
+    for tied in (False, True):
+        for devices in (1, 2):
+            gpt = dict(vocab=65536, tied=tied)
+            for r in run(devices, dim=512, blocks=4, ac=False, count_saved=False, steps=1, seq=32, batch=8, **gpt):
+                label = "tied" if tied else "own"
+                print(f"{label:>6} {devices:>9} {r['rank']:>4} {r['local_params_mb']:>16.0f} {r['peak_rss_mb']:>12.0f}")
 
 
 if __name__ == "__main__":

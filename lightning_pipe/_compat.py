@@ -7,7 +7,7 @@ module without Lightning.
 
 Lightning (checked against 2.6.6):
 
-- ``lightning.fabric.utilities.distributed``: ``_init_dist_connection``,
+- ``lightning.fabric.utilities.distributed``: ``_init_dist_connection``, ``_destroy_dist_connection``,
   ``_get_default_process_group_backend_for_device``, ``_sync_ddp_if_available``, ``_distributed_is_initialized``;
   ``lightning.fabric.utilities.optimizer``: ``_optimizers_to_device``. Every Lightning strategy (DDP, FSDP,
   ModelParallel) starts its process group and moves its optimizers with these helpers; there is no public
@@ -26,6 +26,9 @@ Lightning (checked against 2.6.6):
 - ``ModelSummary._summary`` (the callback's way to its summary; Lightning special-cases only DeepSpeed there): the
   strategy gives ``Trainer.callbacks`` a copy of each summary callback whose ``_summary`` counts the whole model
   (``_summary.summarize_whole_model``).
+- ``ThroughputMonitor._throughputs`` (its ``Throughput`` per stage, built in the callback's ``setup`` with
+  ``world_size=trainer.world_size``): every rank of a pipeline processes the same batch, so the global figures must
+  count data-parallel replicas, not processes (:func:`count_replicas_in_throughput`).
 - ``LightningModule.log`` is replaced by an instance attribute while a pipelined step runs on the last stage
   (:func:`logging_routed_to`): Lightning has no hook to intercept ``self.log`` calls, and the step's logs must be
   reduced over microbatches and replayed on every rank.
@@ -59,6 +62,9 @@ torchmetrics (checked against 1.9; the dependency is pinned below 2):
 
 from __future__ import annotations
 
+import atexit
+import os
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Callable, Optional
@@ -69,11 +75,81 @@ import torch
 
 
 def init_process_group(cluster_environment: Any, backend: str, timeout: Any, device: torch.device) -> None:
-    """Start the default process group the way Lightning's DDP strategy does."""
+    """Start the default process group the way Lightning's DDP strategy does, and have every process group
+    destroyed when the interpreter exits (:func:`_destroy_process_groups_at_exit`)."""
     from lightning.fabric.utilities.distributed import _init_dist_connection
 
     device_id = device if device.type != "cpu" else None
     _init_dist_connection(cluster_environment, backend, timeout=timeout, device_id=device_id)
+    _destroy_process_groups_at_exit()
+
+
+_exit_hook_registered = False
+
+
+def _destroy_process_groups_at_exit() -> None:
+    """Register :func:`_release_process_groups` to run at exit, before the interpreter is torn down; once per
+    process (Lightning registers ``destroy_process_group`` at exit for NCCL only, in ``_init_dist_connection``)."""
+    global _exit_hook_registered
+    if not _exit_hook_registered:
+        atexit.register(_release_process_groups)
+        _exit_hook_registered = True
+
+
+def _release_process_groups() -> None:
+    """Destroy every process group, then let gloo's worker threads finish with the tensors of the last collectives.
+
+    A gloo worker that completes a collective drops its reference to the collective's tensors after the caller has
+    resumed; for a tensor that Python also knew, that takes the GIL. If the interpreter has begun finalizing by
+    then, CPython ends the thread with ``pthread_exit``, whose unwinding through a ``noexcept`` C++ destructor calls
+    ``std::terminate``: "terminate called without an active exception", exit code 134 after a successful run. The
+    last collectives of a fit (the all-reduce of a ``sync_dist`` log at the end of the epoch) come milliseconds
+    before exit. ``destroy_process_group`` alone does not close the race: a group that Python objects still
+    reference (the pipeline's stages and log channels, Lightning's logged results) is only shut down, and its
+    threads live on. So this hook also releases the GIL until those threads are idle (bounded).
+    """
+    from lightning.fabric.utilities.distributed import _destroy_dist_connection
+
+    _destroy_dist_connection()  # a no-op if the user destroyed the groups already
+    _wait_for_idle_gloo_threads()
+
+
+def _wait_for_idle_gloo_threads(timeout: float = 2.0, poll: float = 0.005) -> None:
+    """Sleep (the GIL is free meanwhile) until every gloo worker thread of this process sleeps and has not run for
+    one poll interval, or ``timeout`` passes. Linux reads the threads' state from ``/proc``; elsewhere, one pause."""
+    deadline = time.monotonic() + timeout
+    last: Optional[dict[str, tuple[str, str]]] = None
+    while time.monotonic() < deadline:
+        time.sleep(poll)
+        state = _gloo_thread_state()
+        if state is None:
+            time.sleep(0.05)
+            return
+        if state == last and all(run_state == "S" for run_state, _ in state.values()):
+            return
+        last = state
+
+
+def _gloo_thread_state() -> Optional[dict[str, tuple[str, str]]]:
+    """``{tid: (state, cpu_time_ns)}`` of gloo's worker threads (``pt_gloo_runloop``), or ``None`` without ``/proc``."""
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    state = {}
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                if f.read().strip() != "pt_gloo_runloop":
+                    continue
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                run_state = f.read().rsplit(")", 1)[1].split()[0]
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                cpu_time = f.read().split()[0]
+        except (OSError, IndexError):
+            continue  # the thread ended meanwhile
+        state[tid] = (run_state, cpu_time)
+    return state
 
 
 def default_process_group_backend(device: torch.device) -> str:
@@ -110,6 +186,16 @@ def subprocess_launcher_class() -> type:
 def set_device_mesh(module: Any, mesh: Any) -> None:
     """Make ``module.device_mesh`` return ``mesh``."""
     module._device_mesh = mesh
+
+
+def count_replicas_in_throughput(callbacks: Any, replicas: int) -> None:
+    """Make every ``ThroughputMonitor`` scale its per-process figures by the number of pipeline replicas."""
+    from lightning.pytorch.callbacks import ThroughputMonitor
+
+    for callback in callbacks:
+        if isinstance(callback, ThroughputMonitor):
+            for throughput in callback._throughputs.values():
+                throughput.world_size = replicas
 
 
 def loop_dataloaders(loop: Any) -> Any:

@@ -144,10 +144,10 @@ class Cut:
 
     def stage_parameters(self, stage: int) -> list[nn.Parameter]:
         """The parameters a stage's module registers (its blocks' and the outside ones it holds): what torch's stage
-        computes weight gradients for."""
+        computes weight gradients for, frozen or not (a callback may unfreeze them later)."""
         seen: dict[int, nn.Parameter] = {}
         for reg in self.registrations:
-            if reg.kind == "parameter" and stage in reg.stages and reg.tensor.requires_grad:
+            if reg.kind == "parameter" and stage in reg.stages:
                 seen.setdefault(id(reg.tensor), reg.tensor)  # type: ignore[arg-type]
         return list(seen.values())
 

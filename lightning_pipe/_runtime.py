@@ -60,7 +60,8 @@ class Gradients:
     schedule (the earlier ``.grad``, accumulated over earlier batches, is put back) and added in ``backward``.
 
     Args:
-        params: this rank's trainable parameters.
+        module: this rank's part of the model: its parameters that require gradients now are the trainable ones (a
+            callback such as ``BackboneFinetuning`` may change which between steps).
         replica_group: the data-parallel replicas of this rank (``None`` with one): gradients are averaged over it.
         tie_groups: ``(group, parameters)`` for the parameters this rank shares with other ranks of its pipeline
             (tied or reused): their gradients are summed over the group.
@@ -68,47 +69,51 @@ class Gradients:
 
     def __init__(
         self,
-        params: Sequence[nn.Parameter],
+        module: nn.Module,
         replica_group: Optional[dist.ProcessGroup] = None,
         tie_groups: Sequence[tuple[dist.ProcessGroup, list[nn.Parameter]]] = (),
     ) -> None:
-        self.params = list(params)
+        self.module = module
         self.replica_group = replica_group
         self.tie_groups = list(tie_groups)
-        self._pending: Optional[list[Optional[Tensor]]] = None
+        self._pending: Optional[list[tuple[nn.Parameter, Tensor]]] = None
+
+    def trainable(self) -> list[nn.Parameter]:
+        return [p for p in self.module.parameters() if p.requires_grad]
 
     @contextmanager
     def computed_aside(self) -> Iterator[None]:
         """Let the block write fresh gradients, then keep them aside (synchronised) and restore the earlier ones."""
-        previous = [p.grad for p in self.params]
-        for p in self.params:
+        params = self.trainable()
+        previous = [p.grad for p in params]
+        for p in params:
             p.grad = None
         try:
             yield
-            self._synchronise()
+            self._synchronise(params)
         finally:
-            self._pending = [p.grad for p in self.params]
-            for p, grad in zip(self.params, previous):
+            self._pending = [(p, p.grad) for p in params if p.grad is not None]
+            for p, grad in zip(params, previous):
                 p.grad = grad
 
-    def _synchronise(self) -> None:
+    def _synchronise(self, params: list[nn.Parameter]) -> None:
         if self.replica_group is not None:
-            grads = [p.grad for p in self.params if p.grad is not None]
+            grads = [p.grad for p in params if p.grad is not None]
             _all_reduce(grads, self.replica_group, average=True)
-        for group, params in self.tie_groups:
-            for p in params:
+        for group, shared in self.tie_groups:
+            # Every copy takes part (the same sizes on every rank); a frozen copy gets its gradient dropped after.
+            for p in shared:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-            _all_reduce([p.grad for p in params], group, average=False)
+            _all_reduce([p.grad for p in shared], group, average=False)
+            for p in shared:
+                if not p.requires_grad:
+                    p.grad = None
 
     def hand_back(self) -> None:
         """Add the kept gradients to ``.grad`` (called by ``Strategy.backward``, after ``zero_grad``)."""
         pending, self._pending = self._pending, None
-        if pending is None:
-            return
-        for param, grad in zip(self.params, pending):
-            if grad is None:
-                continue
+        for param, grad in pending or ():
             if param.grad is None:
                 param.grad = grad
             else:
@@ -170,20 +175,27 @@ class PipelineRuntime:
         self.pipeline.check_schedule()
         channel = (pp_group, self.pipeline.last_stage_rank, layout.pipeline_size, device)
         self._train_channel, self._eval_channel = LogChannel(*channel), LogChannel(*channel)
-        trainable = [p for p in module.parameters() if p.requires_grad]
         replicas = dp_group if dist.get_world_size(dp_group) > 1 else None
-        self.gradients = Gradients(trainable, replicas, tie_groups)
+        self.gradients = Gradients(module, replicas, tie_groups)
         self._timeline_done = False
+        self._trainable_checked: Optional[int] = None
 
     @property
     def layout(self) -> StageLayout:
         return self.cut.layout
+
+    def drain(self) -> None:
+        """Wait for the last stage's last log broadcast (sent without waiting, see :class:`LogChannel`), so that no
+        transfer is in flight when the run ends and the process groups are destroyed at exit."""
+        self._train_channel.wait()
+        self._eval_channel.wait()
 
     # ------------------------------------------------------------------------------------------------ training
     def train_batch(self, batch: Any, *rest: Any, **kwargs: Any) -> Tensor:
         """Forward and backward of one training batch; returns the full-batch loss on every rank. The gradients are
         kept aside until :meth:`Gradients.hand_back`."""
         module, program, pipeline = self.module, self.program, self.pipeline
+        self._check_trainable()
         step = module.training_step
         batch_size = program.batch_size_of(step, batch, *rest, **kwargs)
         num_microbatches = self.microbatches.for_batch(batch_size)
@@ -272,6 +284,23 @@ class PipelineRuntime:
             finally:
                 for buffer, saved in buffers:
                     buffer.copy_(saved)
+
+    def _check_trainable(self) -> None:
+        """At the first batch of each epoch: if no stage has a parameter that requires a gradient, fail as one process
+        fails in ``loss.backward()`` (instead of running the schedule and stepping nothing). One small collective per
+        epoch over the pipeline: every rank raises."""
+        epoch = self.module.trainer.current_epoch
+        if self._trainable_checked == epoch:
+            return
+        self._trainable_checked = epoch
+        count = torch.tensor([float(len(self.gradients.trainable()))], device=self.device)
+        dist.all_reduce(count, group=self.pipeline.group)
+        if count.item() == 0:
+            raise RuntimeError(
+                "element 0 of tensors does not require grad and does not have a grad_fn (PipelineStrategy: no"
+                " parameter of any pipeline stage requires a gradient, so the loss has nothing to train. Unfreeze"
+                " some parameters, or run `trainer.validate` instead of `fit`.)"
+            )
 
     def _sync_buffers(self) -> None:
         """With several replicas, start each batch from replica 0's buffers (BatchNorm statistics), as DDP does."""

@@ -171,6 +171,7 @@ class PipelineStrategy(ParallelStrategy):
         self._device_mesh: Optional[DeviceMesh] = None
         self._runtime: Optional[PipelineRuntime] = None
         self._tie_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        self._failed = False  # set by `on_exception`: teardown must not wait on the other ranks then
         self.num_nodes = 1
 
     # ------------------------------------------------------------------ properties
@@ -325,6 +326,7 @@ class PipelineStrategy(ParallelStrategy):
         )
         _stage.materialize_local(module, cut.backbone, device)
         trainer.callbacks = summarize_whole_model(trainer.callbacks, cut.param_counts)
+        _compat.count_replicas_in_throughput(trainer.callbacks, self.data_parallel_size)
         self.model = self.precision_plugin.convert_module(module)
         cut.convert_ghosts(rank, self.precision_plugin.convert_module)
         self.model_to_device()
@@ -505,6 +507,7 @@ class PipelineStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ teardown
     @override
     def on_exception(self, exception: BaseException) -> None:
+        self._failed = True
         # Rank 0 launched the other ranks; if it fails they may wait on it in a transfer. Give them a moment to
         # fail on their own (and print why), then end them so that no process is left hanging.
         launcher = self.launcher
@@ -523,6 +526,9 @@ class PipelineStrategy(ParallelStrategy):
         assert self.accelerator is not None
         if self._runtime is not None:
             self._runtime.gradients.discard()
+            if not self._failed:
+                self._runtime.drain()
+        self._failed = False
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()

@@ -17,6 +17,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
 from lightning_pipe.checkpoint._files import (
@@ -39,7 +40,8 @@ from lightning_pipe.checkpoint._names import (
     flat_param_groups,
     load_full_optimizer_state,
     optimizer_state_for_save,
-    set_param_groups,
+    replace_param_groups,
+    stored_group_keys,
 )
 
 log = logging.getLogger(__name__)
@@ -137,12 +139,21 @@ def load(
     stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     stepped = [any(k.startswith(f"optimizer_{idx}.state.") for k in stored) for idx in range(len(optimizers))]
     for idx, optimizer in enumerate(optimizers):
-        # The template of what to read. An optimizer saved before its first step has hyper-parameters only.
+        # The template of what to read: the state if the checkpoint has any (an optimizer saved before its first step
+        # has none), and exactly the hyper-parameters the checkpoint holds, which replace the groups' (as
+        # `Optimizer.load_state_dict` does: the LR finder restores an unstepped optimizer after stepping it).
+        template = {}
         if stepped[idx]:
             flat = get_optimizer_state_dict(module, optimizer, options=OPTIM_OPTIONS)
-            state[f"optimizer_{idx}"] = names.optimizer_keys(module, flat, to_stored=True)
-        else:
-            state[f"optimizer_{idx}"] = flat_param_groups(optimizer, names)
+            template = {
+                k: v for k, v in names.optimizer_keys(module, flat, to_stored=True).items() if k.startswith("state.")
+            }
+        keys = stored_group_keys(optimizer, names, stored, f"optimizer_{idx}.param_groups.")
+        for name, subs in keys.items():
+            for key in subs:
+                entry = f"param_groups.{name}.{key}"
+                template[entry] = _placeholder(stored.get(f"optimizer_{idx}.{entry}"))
+        state[f"optimizer_{idx}"] = template
     _check_against(path, state, stored, strict, global_rank)
     try:  # DCP gathers every rank's read errors and raises them on all ranks
         dcp.load(state, checkpoint_id=path, planner=dcp.DefaultLoadPlanner(allow_partial_load=not strict))
@@ -153,14 +164,26 @@ def load(
         ) from err
     module.load_state_dict({k: weights[names.stored(k)] for k in local}, strict=strict)
     for idx, optimizer in enumerate(optimizers):
+        loaded = state[f"optimizer_{idx}"]
         if stepped[idx]:
-            flat = names.optimizer_keys(module, state[f"optimizer_{idx}"], to_stored=False)
-            set_optimizer_state_dict(module, optimizer, flat, options=OPTIM_OPTIONS)
+            # torch reads every hyper-parameter the groups have now; those the checkpoint lacks are dropped below.
+            flat = {**flat_param_groups(optimizer, names), **loaded}
+            set_optimizer_state_dict(
+                module, optimizer, names.optimizer_keys(module, flat, to_stored=False), options=OPTIM_OPTIONS
+            )
         else:
-            set_param_groups(optimizer, state[f"optimizer_{idx}"], names)
+            optimizer.state.clear()
+        replace_param_groups(optimizer, loaded, names)
     checkpoint["state_dict"] = module.state_dict()  # this rank's part, for `on_load_checkpoint` hooks
     log.debug("rank %d: loaded checkpoint %s", global_rank, path)
     return checkpoint
+
+
+def _placeholder(meta: Any) -> Any:
+    """A template value DCP reads a stored entry into: a tensor of its size for a tensor, else anything."""
+    if isinstance(meta, TensorStorageMetadata):
+        return torch.empty(meta.size, dtype=meta.properties.dtype)
+    return None
 
 
 def _check_against(path: Path, state: dict[str, Any], stored: dict[str, Any], strict: bool, rank: int) -> None:

@@ -139,13 +139,35 @@ def flat_param_groups(optimizer: torch.optim.Optimizer, names: ModelNames) -> di
     }
 
 
-def set_param_groups(optimizer: torch.optim.Optimizer, flat: dict[str, Any], names: ModelNames) -> None:
+def stored_group_keys(
+    optimizer: torch.optim.Optimizer, names: ModelNames, stored: Any, prefix: str
+) -> dict[str, list[str]]:
+    """``{first name: [hyper-parameter keys]}`` the checkpoint holds (``stored`` keys under ``prefix``) for each of
+    this optimizer's parameters; a parameter it has nothing for gets its current keys (reported missing)."""
+    local = {names.first_name[id(p)]: group for group in optimizer.param_groups for p in group["params"]}
+    known = set(local)
+    found: dict[str, list[str]] = {}
+    for key in stored:
+        if key.startswith(prefix):
+            name, sub = split_name(key[len(prefix) :], known)
+            if name is not None:
+                found.setdefault(name, []).append(sub)
+    for name, group in local.items():
+        found.setdefault(name, [k for k in group if k != "params"])
+    return found
+
+
+def replace_param_groups(optimizer: torch.optim.Optimizer, flat: dict[str, Any], names: ModelNames) -> None:
+    """Give every parameter group exactly the hyper-parameters ``flat`` holds for it, as ``Optimizer.load_state_dict``
+    replaces the groups (keys added since the save, e.g. a scheduler's ``initial_lr``, go)."""
     for group in optimizer.param_groups:
-        if group["params"]:
-            name = names.first_name[id(group["params"][0])]
-            for key in list(group):
-                if key != "params" and f"param_groups.{name}.{key}" in flat:
-                    group[key] = flat[f"param_groups.{name}.{key}"]
+        if not group["params"]:
+            continue
+        prefix = f"param_groups.{names.first_name[id(group['params'][0])]}."
+        loaded = {k[len(prefix) :]: v for k, v in flat.items() if k.startswith(prefix)}
+        for key in [k for k in group if k not in ("params", "param_names")]:
+            del group[key]
+        group.update(loaded)
 
 
 def load_full_optimizer_state(
