@@ -10,13 +10,15 @@ Stage shapes are given to torch statically. For each new microbatch shape they a
 through the stages once on ghosts (:mod:`lightning_pipe._ghost`: no compute, nothing changes) and passing each
 stage's output shape down the pipeline: torch's own shape inference would update BatchNorm statistics and call the
 loss on uninitialised data. One schedule is kept per (microbatch shape, count, mode), so a ragged last batch gets
-its own correctly-shaped schedule instead of reusing stale buffers.
+its own correctly-shaped schedule instead of reusing stale buffers; a schedule whose step raised is dropped with its
+stages, which that step left half-run.
 """
 
 from __future__ import annotations
 
 import logging
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from typing import Any, Callable, Optional
 
 import torch
@@ -130,7 +132,8 @@ class StagePipeline:
         rows = torch.arange(batch_size, device=self.device)
         self._loss_fn = loss_fn
         try:
-            with timeline.trace(schedule) if timeline is not None else nullcontext():
+            traced = timeline.trace(schedule) if timeline is not None else nullcontext()
+            with self._dropped_if_it_fails(schedule), traced:
                 schedule.step(*self._first_input(rows), target=rows, lp_rows=rows, return_outputs=False)
         finally:
             self._loss_fn = None
@@ -139,8 +142,26 @@ class StagePipeline:
         """Forward-only pass of one batch. Returns the merged last-stage output on the last stage, else ``None``."""
         schedule = self._schedule_for(sample, batch_size, num_microbatches, training=False)
         rows = torch.arange(batch_size, device=self.device)
-        output = schedule.eval(*self._first_input(rows), lp_rows=rows)
+        with self._dropped_if_it_fails(schedule):
+            output = schedule.eval(*self._first_input(rows), lp_rows=rows)
         return output if self.has_last_stage else None
+
+    @contextmanager
+    def _dropped_if_it_fails(self, schedule: Any) -> Iterator[None]:
+        """Forget ``schedule`` and its stages if the block raises, so that the next batch of that shape builds new
+        ones.
+
+        A step that raises part-way leaves torch's stages in the middle of it: activations, gradients and stage-local
+        hand-overs of unfinished microbatches (and on torch 2.15 receive buffers still owned by the step). Stepping
+        them again fails, or silently loses gradients (ZBVZeroBubble), on every torch version. Rebuilding runs the
+        shape collectives of :meth:`_stage_metas` again, as the first batch of a shape does, on every rank that
+        failed; whether a failed job goes on at all is the strategy's call (an exception in a stage ends it).
+        """
+        try:
+            yield
+        except BaseException:
+            self._schedules = {key: kept for key, kept in self._schedules.items() if kept is not schedule}
+            raise
 
     def _first_input(self, rows: torch.Tensor) -> tuple:
         return (rows,) if self.has_first_stage else ()
@@ -184,9 +205,6 @@ class StagePipeline:
         multi = self.schedule.multi_stage
         try:
             schedule = _construct(self.schedule_class, stages, num_microbatches, loss_fn, multi)
-            if not training and self.schedule.placement == "v":
-                _compat.keep_forward_actions(schedule)  # torch's eval() cannot run these schedules (see _compat)
-            return schedule
         except ValueError as err:
             if num_microbatches == self.num_microbatches or self.schedule.placement == "v":
                 raise ValueError(
@@ -202,7 +220,17 @@ class StagePipeline:
                 f" {self.schedule.name} ({err}); it runs with {fallback.__name__}, which gives the same result."
             )
             log.debug("pipeline rank %d: falling back to %s: %s", self.pipeline_rank, fallback.__name__, err)
-            return _construct(fallback, stages, num_microbatches, loss_fn, multi)
+            schedule = _construct(fallback, stages, num_microbatches, loss_fn, multi)
+        if not training and self._has_local_hand_over():
+            _compat.keep_forward_actions(schedule)  # torch's eval() cannot run these schedules (see _compat)
+        return schedule
+
+    def _has_local_hand_over(self) -> bool:
+        """Whether some stage feeds the next one on the same process (V placement; any multi-stage schedule on one
+        process): torch's ``eval()`` cannot run such a pipeline (see :func:`_compat.keep_forward_actions`)."""
+        return any(
+            self.layout.stage_rank(s) == self.layout.stage_rank(s + 1) for s in range(self.layout.num_stages - 1)
+        )
 
     def _stage_metas(self, rows: int) -> dict[int, tuple[_Meta, _Meta]]:
         """Input and output shape of every local stage for one microbatch of ``rows`` rows.

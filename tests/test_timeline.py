@@ -11,8 +11,10 @@ import json
 import sys
 from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch.distributed as dist
 import torch.distributed.pipelining.schedules as torch_schedules
 from helpers import HERE, run_script
 
@@ -244,11 +246,89 @@ def test_trace_restores_after_an_error_and_refuses_nesting():
     assert [e["name"] for e in recorder.events if e["cat"] != "step"] == ["F0 s0"]
 
 
+class Op:
+    """What ``_batch_p2p`` and the recorder read of a ``P2POp``: the function, the peer and the group."""
+
+    def __init__(self, op, peer: int, group_name: str) -> None:
+        self.op, self.peer, self.group = op, peer, SimpleNamespace(group_name=group_name)
+
+
+class GroupedStage(FakeStage):
+    """The last of 2 stages, with one communicator per direction: activations come downstream, gradients go up."""
+
+    def get_fwd_recv_ops(self, fwd_chunk_id):
+        return [Op(dist.irecv, 0, "pp_p2p_downstream")]
+
+    def get_bwd_send_ops(self, bwd_chunk_id):
+        return [Op(dist.isend, 0, "pp_p2p_upstream")]
+
+
+def test_nested_batch_p2p_is_one_post_and_labels_each_work(monkeypatch: pytest.MonkeyPatch):
+    """torch 2.14/2.15's ``_batch_p2p`` with per-direction or per-edge communicators (a flag that gloo on CPU cannot
+    turn on in 2.14, absent before): it calls itself through the module global once per group, in group-name order,
+    so the wrapper is entered again. The schedule's one call is one event, and each work keeps its own op's label
+    although the works come back in another order than the ops."""
+    calls = []
+
+    def per_group_batch_p2p(p2p_ops, desc=None):  # the structure of torch 2.14's _batch_p2p
+        calls.append(len(p2p_ops))
+        by_group = {}
+        for op in p2p_ops:
+            by_group.setdefault(op.group.group_name, []).append(op)
+        if len(by_group) > 1:
+            works = []
+            for _, ops in sorted(by_group.items()):
+                works += torch_schedules._batch_p2p(ops, desc=desc)
+            return works
+        return [SimpleNamespace(op=op, wait=lambda: None) for op in p2p_ops]
+
+    monkeypatch.setattr(torch_schedules, "_batch_p2p", per_group_batch_p2p)
+    stage = GroupedStage(1, is_last=True)
+    recorder = TimelineRecorder()
+    with recorder.trace(stage):
+        ops = stage.get_bwd_send_ops(0) + stage.get_fwd_recv_ops(1)  # as 1F1B's last stage fuses them
+        works = torch_schedules._batch_p2p(ops, desc="bwd_send_fwd_recv")
+        assert [w.op for w in works] == ops[::-1]  # downstream first
+        for op in ops[::-1]:
+            torch_schedules._wait_batch_p2p([w for w in works if w.op is op])
+        works = torch_schedules._batch_p2p(stage.get_fwd_recv_ops(2))  # one group: no nesting
+        torch_schedules._wait_batch_p2p(works)
+    assert torch_schedules._batch_p2p is per_group_batch_p2p
+    assert calls == [2, 1, 1, 1]
+    send, recv = "send grad mb0 s1 to rank 0", "recv act mb1 s1 from rank 0"
+    comm = [(e["name"], e["mb"], e["args"]["ops"]) for e in recorder.events if e["cat"] == "comm"]
+    assert comm == [
+        ("send/recv post", 1, [send, recv]),
+        ("recv wait", 1, [recv]),
+        ("send wait", 0, [send]),
+        ("recv post", 2, ["recv act mb2 s1 from rank 0"]),
+        ("recv wait", 2, ["recv act mb2 s1 from rank 0"]),
+    ]
+    assert recorder._post_depth == 0
+
+
 # ---------------------------------------------------------------------------------------------- real processes
-def run_traced(schedule: str, stages_per_rank: int, tmp_path: Path, *extra: str) -> tuple[dict, list[dict]]:
+#: torch >= 2.15 can give every pair of ranks its own communicators (off by default), also over gloo on CPU; then
+#: `_batch_p2p` calls itself once per communicator. (2.14's per-direction communicators need a device-bound default
+#: group, which gloo on CPU cannot have.) TORCH_LOGS shows torch's own line saying it uses them.
+PER_EDGE_P2P = {"TORCH_DISTRIBUTED_PIPELINE_PER_EDGE_P2P": "1", "TORCH_LOGS": "+torch.distributed.pipelining._p2p"}
+TRACED_CASES = [
+    pytest.param("1F1B", 1, (), None, id="1F1B"),
+    pytest.param("1F1B", 1, ("--trace-first",), None, id="1F1B-first-step"),  # the set-up happens inside the trace
+    pytest.param("GPipe", 1, (), None, id="GPipe"),
+    pytest.param("Interleaved1F1B", 2, (), None, id="Interleaved1F1B"),
+    pytest.param("ZBVZeroBubble", 2, (), None, id="ZBVZeroBubble"),
+]
+if hasattr(dist.config, "pipeline_per_edge_p2p"):
+    TRACED_CASES.append(pytest.param("1F1B", 1, (), PER_EDGE_P2P, id="1F1B-per-edge-p2p"))
+
+
+def run_traced(
+    schedule: str, stages_per_rank: int, tmp_path: Path, *extra: str, env: dict | None = None
+) -> tuple[dict, list[dict], str]:
     out = tmp_path / "out"
     args = [str(HERE / "timeline_job.py"), schedule, str(out), "--microbatches", "4"]
-    proc = run_script([*args, "--stages-per-rank", str(stages_per_rank), *extra], cwd=tmp_path, timeout=40)
+    proc = run_script([*args, "--stages-per-rank", str(stages_per_rank), *extra], cwd=tmp_path, timeout=40, env=env)
     assert proc.returncode == 0, proc.stdout[-6000:]
     result = json.loads((out / "summary.json").read_text())
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
@@ -258,23 +338,17 @@ def run_traced(schedule: str, stages_per_rank: int, tmp_path: Path, *extra: str)
     assert len(complete) == len(result["events"])
     assert {t["pid"] for t in complete} == {0, 1}
     assert all(t["dur"] >= 0 and t["ts"] >= 0 for t in complete)
-    return result, ranks
+    return result, ranks, proc.stdout
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize(
-    "schedule, stages_per_rank, extra",
-    [
-        ("1F1B", 1, ()),
-        ("1F1B", 1, ("--trace-first",)),  # the schedule sets itself up inside the traced step
-        ("GPipe", 1, ()),
-        ("Interleaved1F1B", 2, ()),
-        ("ZBVZeroBubble", 2, ()),
-    ],
-    ids=["1F1B", "1F1B-first-step", "GPipe", "Interleaved1F1B", "ZBVZeroBubble"],
-)
-def test_traced_step_records_every_microbatch(schedule: str, stages_per_rank: int, extra: tuple, tmp_path: Path):
-    result, ranks = run_traced(schedule, stages_per_rank, tmp_path, *extra)
+@pytest.mark.parametrize("schedule, stages_per_rank, extra, env", TRACED_CASES)
+def test_traced_step_records_every_microbatch(
+    schedule: str, stages_per_rank: int, extra: tuple, env: dict | None, tmp_path: Path
+):
+    result, ranks, output = run_traced(schedule, stages_per_rank, tmp_path, *extra, env=env)
+    if env is PER_EDGE_P2P:
+        assert "Pipeline P2P: using" in output, output[-3000:]  # torch did switch to its per-edge communicators
     m, num_stages = 4, 2 * stages_per_rank
     events = result["events"]
     for rank, r in enumerate(ranks):
@@ -304,6 +378,11 @@ def test_traced_step_records_every_microbatch(schedule: str, stages_per_rank: in
         assert any(e["cat"] == "backward_weight" for e in events)
     comm = [e for e in events if e["cat"] == "comm"]
     assert comm and all(e["name"].endswith((" post", " wait")) and e["args"]["ops"] for e in comm)
+    for rank in range(2):  # every transfer is posted once, and waited for once
+        for phase in ("post", "wait"):
+            mine = [e for e in comm if e["rank"] == rank and e["name"].endswith(phase)]
+            counted = Counter(op for e in mine for op in e["args"]["ops"])
+            assert counted and set(counted.values()) == {1}, (rank, phase, counted)
     ops = {op for e in comm for op in e["args"]["ops"]}
     if stages_per_rank == 1:  # every activation and gradient transfer is labelled with its microbatch
         for mb in range(m):

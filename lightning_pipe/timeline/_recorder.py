@@ -109,6 +109,8 @@ class TimelineRecorder:
         self._sync: Optional[Callable[[], None]] = None
         self._op_labels: dict[int, tuple[Any, dict[str, Any]]] = {}
         self._work_labels: dict[int, tuple[Any, list[dict[str, Any]]]] = {}
+        self._post_depth = 0  # nesting of `_batch_p2p` calls (see `_wrap_post`)
+        self._post_calls = 0
 
     # ------------------------------------------------------------------ tracing
     @contextmanager
@@ -125,6 +127,7 @@ class TimelineRecorder:
         self.events = []
         self._op_labels.clear()
         self._work_labels.clear()
+        self._post_depth = 0
         self._sync = _device_sync(self.device)
         distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank(self.group) if distributed else 0
@@ -247,18 +250,33 @@ class TimelineRecorder:
         return get_ops
 
     def _wrap_post(self, fn: Callable) -> Callable:
+        """With per-direction (torch 2.14) or per-edge (2.15) communicators, ``_batch_p2p`` splits a batch that spans
+        several process groups and calls itself, through the module global (so through this wrapper), once per
+        group. The outermost call is the one the schedule made: it alone becomes an event. Its works are the inner
+        calls' works concatenated in group order, not in op order, so the works are labelled by the innermost calls,
+        where they pair with their ops."""
+
         def batch_p2p(p2p_ops: list, *args: Any, **kwargs: Any) -> Any:
             if not p2p_ops:
                 return fn(p2p_ops, *args, **kwargs)
+            outermost = self._post_depth == 0
+            self._post_calls += 1
+            calls_before = self._post_calls
+            self._post_depth += 1
             t0 = time.perf_counter_ns()
-            works = fn(p2p_ops, *args, **kwargs)
+            try:
+                works = fn(p2p_ops, *args, **kwargs)
+            finally:
+                self._post_depth -= 1
             t1 = time.perf_counter_ns()
             labels = [self._label_of(op) for op in p2p_ops]
-            works_list = list(works) if works else []
-            for i, work in enumerate(works_list):
-                mine = [labels[i]] if len(works_list) == len(labels) else labels
-                self._work_labels[id(work)] = (work, mine)
-            self._add_comm("post", labels, t0, t1)
+            if self._post_calls == calls_before:  # no nested call: these works are this call's own
+                works_list = list(works) if works else []
+                for i, work in enumerate(works_list):
+                    mine = [labels[i]] if len(works_list) == len(labels) else labels
+                    self._work_labels[id(work)] = (work, mine)
+            if outermost:
+                self._add_comm("post", labels, t0, t1)
             return works
 
         return batch_p2p
