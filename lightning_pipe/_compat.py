@@ -29,28 +29,49 @@ Lightning (checked against 2.6.6):
 - ``ThroughputMonitor._throughputs`` (its ``Throughput`` per stage, built in the callback's ``setup`` with
   ``world_size=trainer.world_size``): every rank of a pipeline processes the same batch, so the global figures must
   count data-parallel replicas, not processes (:func:`count_replicas_in_throughput`).
+- The state built-in callbacks take from the whole module in their ``setup`` hook, before the cut, retaken from this
+  rank's share after it (:mod:`lightning_pipe._callbacks`; Lightning has no hook between a strategy's cut and the
+  callbacks): ``StochasticWeightAveraging``/``WeightAveraging._average_model`` (and ``WeightAveraging._use_buffers``,
+  ``_kwargs``, the arguments of its ``AveragedModel``); ``ModelPruning._parameters_to_prune``, ``_original_layers``,
+  ``_use_global_unstructured`` and its ``_apply_global_pruning`` method (replaced per instance by the pipeline-wide
+  L1 threshold). Restoring state that one process restores before ``on_fit_start`` (the pipeline restores after it,
+  ``restore_checkpoint_after_setup``): ``StochasticWeightAveraging._clear_schedulers`` (what its ``on_fit_start``
+  does with a restored scheduler state) and ``BaseFinetuning._restarting`` (its ``on_fit_start`` consumed it).
+- ``Trainer._accelerator_connector.use_distributed_sampler`` and
+  ``lightning.pytorch.utilities.data._update_dataloader``: with one pipeline (no data parallelism) Lightning would
+  still put a shuffling ``DistributedSampler`` on the training loader; the strategy turns that off and gives a
+  shuffled loader a sampler seeded the same on every stage (:func:`keep_loader_order`, :func:`with_sampler`).
+  Lightning asks the strategy only for the sampler's replicas and rank, not whether to shuffle.
 - ``LightningModule.log`` is replaced by an instance attribute while a pipelined step runs on the last stage
   (:func:`logging_routed_to`): Lightning has no hook to intercept ``self.log`` calls, and the step's logs must be
   reduced over microbatches and replayed on every rank.
 
-torch (checked against 2.13.0):
+torch (checked against 2.13.0, 2.14.1 and 2.15.0; ``pyproject.toml`` pins ``<2.16``):
 
 - ``torch._subclasses.fake_tensor.FakeTensorMode``: the only way to run a module on fake tensors, to infer stage
   output shapes without computing.
 - ``torch.distributed.checkpoint.default_planner._EmptyStateDictLoadPlanner`` and
   ``torch.distributed.checkpoint.state_dict_loader._load_state_dict``: read a DCP checkpoint into an empty state dict
-  in one process (consolidation); ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save`` does the same
-  through a file.
-- A V-shaped schedule's (``ZBVZeroBubble``, ``DualPipeV``) ``pipeline_order`` (its compute actions per rank,
-  ``_Action`` with ``computation_type`` and ``sub_actions``), ``stage_index_to_group_rank``, ``_num_stages``,
-  ``pipeline_order_with_comms`` and the lowering ``schedules._add_send_recv``: evaluation runs the forward actions
-  only, with torch's own communication actions added (:func:`keep_forward_actions`). torch's ``eval()`` on these
-  schedules fails on the stage-local gradient hand-over between a rank's two stages ("can't steal_bwd_input if this
-  stage doesn't have backward"), and its own lowering refuses a schedule without backward actions.
+  in one process (consolidation); without them, the public ``dcp.load`` reads into a template built from the index.
+- Names that DCP's ``.metadata`` pickle holds, admitted by name by the restricted unpickler of
+  ``checkpoint/_safe.py`` (``DCP_INDEX_GLOBALS``; the file references them, the package calls none of them):
+  ``torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING``, ``torch.distributed.checkpoint.filesystem.
+  _StorageInfo``, ``torch.serialization._get_layout``. torch 2.13 to 2.15 write the same set of globals.
+- A multi-stage schedule's ``pipeline_order`` (its compute actions per rank, ``_Action`` with ``computation_type``
+  and ``sub_actions``), ``stage_index_to_group_rank``, ``_num_stages``, ``pipeline_order_with_comms`` and the
+  lowerings ``schedules._add_send_recv`` and, from 2.15 (looked up by name), ``_add_wait_send``: where a stage feeds
+  the next one on the same process (the V-shaped ``ZBVZeroBubble`` and ``DualPipeV``; any multi-stage schedule on
+  one process), evaluation runs the forward actions only, with torch's own communication actions added
+  (:func:`keep_forward_actions`). torch's ``eval()`` on these pipelines fails on the stage-local gradient hand-over
+  between two stages ("can't steal_bwd_input if this stage doesn't have backward"), and its own lowering refuses a
+  schedule without backward actions. 2.15 fails a step that leaves a send without a ``WAIT_SEND_F``/``_B`` action.
 - ``torch.distributed.pipelining.schedules._batch_p2p`` and ``_wait_batch_p2p`` (module globals every schedule
   posts and waits for its transfers through), ``_PipelineSchedule._maybe_compute_loss``, ``_loss_fn``, and a
   schedule's ``_stage``/``_stages``: wrapped for the duration of one traced step by ``timeline=`` (no hook exists
-  to observe a schedule's transfers and losses).
+  to observe a schedule's transfers and losses). With per-direction (2.14, ``torch.distributed.config.
+  pipeline_per_direction_p2p``) or per-edge (2.15, ``pipeline_per_edge_p2p``) communicators, both off by default
+  and on with TorchComms, ``_batch_p2p`` calls itself through the module global once per process group; the
+  recorder counts the outermost call.
 
 torchmetrics (checked against 1.9; the dependency is pinned below 2):
 
@@ -198,6 +219,73 @@ def count_replicas_in_throughput(callbacks: Any, replicas: int) -> None:
                 throughput.world_size = replicas
 
 
+def swa_average_model(callback: Any) -> Any:
+    """The averaged copy of a ``StochasticWeightAveraging`` or ``WeightAveraging`` callback (``None`` before setup)."""
+    return callback._average_model
+
+
+def set_swa_average_model(callback: Any, model: Any) -> None:
+    callback._average_model = model
+
+
+def averaged_model_like(callback: Any, module: Any, device: torch.device) -> Any:
+    """The ``AveragedModel`` a ``WeightAveraging`` callback's ``setup`` builds, of ``module``."""
+    from torch.optim.swa_utils import AveragedModel
+
+    return AveragedModel(model=module, device=device, use_buffers=callback._use_buffers, **callback._kwargs)
+
+
+def swa_clear_schedulers(callback: Any, trainer: Any) -> None:
+    callback._clear_schedulers(trainer)
+
+
+def finetuning_restored(callback: Any) -> None:
+    """Tell a ``BaseFinetuning`` callback its restored parameter groups are in place (what its ``on_fit_start`` does
+    after rebuilding them)."""
+    callback._restarting = False
+
+
+def pruning_pairs(callback: Any) -> list[tuple[Any, str]]:
+    return callback._parameters_to_prune
+
+
+def set_pruning_pairs(callback: Any, pairs: list[tuple[Any, str]]) -> None:
+    callback._parameters_to_prune = pairs
+
+
+def pruning_originals(callback: Any) -> Optional[dict[int, Any]]:
+    """``ModelPruning``'s copies of the modules to prune, for the lottery ticket (``None`` without it)."""
+    return callback._original_layers
+
+
+def set_pruning_originals(callback: Any, originals: dict[int, Any]) -> None:
+    callback._original_layers = originals
+
+
+def pruning_is_global(callback: Any) -> bool:
+    return bool(callback._use_global_unstructured)
+
+
+def set_global_pruning(callback: Any, apply: Callable[[Any], None]) -> None:
+    """Make ``ModelPruning`` prune globally with ``apply(amount)``."""
+    callback._apply_global_pruning = apply
+
+
+def keep_loader_order(trainer: Any) -> bool:
+    """Stop Lightning from putting its distributed sampler on the loaders; whether it would have."""
+    connector = trainer._accelerator_connector
+    would = bool(connector.use_distributed_sampler)
+    connector.use_distributed_sampler = False
+    return would
+
+
+def with_sampler(dataloader: Any, sampler: Any) -> Any:
+    """``dataloader`` re-created with ``sampler``, the way Lightning puts its distributed sampler in."""
+    from lightning.pytorch.utilities.data import _update_dataloader
+
+    return _update_dataloader(dataloader, sampler)
+
+
 def loop_dataloaders(loop: Any) -> Any:
     """The user's loader(s) of a Lightning loop before it starts iterating."""
     return loop._data_source.dataloader()
@@ -222,26 +310,32 @@ def fake_tensor_mode(**kwargs: Any) -> Any:
     return FakeTensorMode(**kwargs)
 
 
-def read_dcp_in_one_process(path: Any, keys: Optional[set[str]] = None) -> dict[str, Any]:
-    """Every entry of a DCP checkpoint (or those under ``keys``), read in this process alone (no process group)."""
+def read_dcp_in_one_process(path: Any, keys: Optional[set[str]] = None, storage_reader: Any = None) -> dict[str, Any]:
+    """Every entry of a DCP checkpoint (or those under ``keys``), read in this process alone (no process group),
+    through ``storage_reader`` (default: torch's ``FileSystemReader`` of ``path``)."""
     import torch.distributed.checkpoint as dcp
 
+    reader = storage_reader if storage_reader is not None else dcp.FileSystemReader(path)
     state: dict[str, Any] = {}
     try:
         from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
         from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-    except ImportError:  # pragma: no cover - a torch without these private names: go through a file
-        import tempfile
-        from pathlib import Path
+    except ImportError:  # a torch without these private names: public `dcp.load` into a template built from the index
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-        with tempfile.TemporaryDirectory() as tmp:
-            dcp_to_torch_save(path, Path(tmp) / "all.pt")
-            return torch.load(Path(tmp) / "all.pt", map_location="cpu", weights_only=True)
-    _load_state_dict(
-        state, storage_reader=dcp.FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(keys=keys), no_dist=True
-    )
+        metadata = reader.read_metadata()
+        for fqn, meta in metadata.state_dict_metadata.items():
+            where = tuple((metadata.planner_data or {}).get(fqn, (fqn,)))
+            if keys is not None and not any(".".join(map(str, where[: i + 1])) in keys for i in range(len(where))):
+                continue
+            node = state
+            for part in where[:-1]:
+                node = node.setdefault(part, {})
+            tensor = isinstance(meta, TensorStorageMetadata)
+            node[where[-1]] = torch.empty(meta.size, dtype=meta.properties.dtype) if tensor else None
+        dcp.load(state, storage_reader=reader, planner=dcp.DefaultLoadPlanner(allow_partial_load=True), no_dist=True)
+        return state
+    _load_state_dict(state, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(keys=keys), no_dist=True)
     return state
 
 
@@ -253,7 +347,7 @@ SCHEDULE_LOSS_METHOD = "_maybe_compute_loss"
 
 
 def keep_forward_actions(schedule: Any) -> None:
-    """Make a schedule built from a compute-only action list (the V-shaped ones) run its forward actions only, in
+    """Make a schedule built from a compute-only action list (the multi-stage ones) run its forward actions only, in
     their order: a forward-only pass."""
     from torch.distributed.pipelining.schedules import FORWARD
 
@@ -264,14 +358,17 @@ def keep_forward_actions(schedule: Any) -> None:
             return [action]
         return [a for a in (action.sub_actions or ()) if a.computation_type == FORWARD]
 
-    from torch.distributed.pipelining.schedules import _add_send_recv
+    import torch.distributed.pipelining.schedules as schedules
 
     order = {rank: [f for a in actions for f in forwards(a)] for rank, actions in schedule.pipeline_order.items()}
     stage_rank = schedule.stage_index_to_group_rank
     schedule.pipeline_order = order
-    schedule.pipeline_order_with_comms = _add_send_recv(
-        order, stage_to_rank=lambda s: stage_rank[s], num_stages=schedule._num_stages
-    )
+    with_comms = schedules._add_send_recv(order, stage_to_rank=lambda s: stage_rank[s], num_stages=schedule._num_stages)
+    # torch >= 2.15 waits for every send through a WAIT_SEND_F/B action, and fails a step that leaves one without
+    add_wait_send = getattr(schedules, "_add_wait_send", None)
+    if add_wait_send is not None:
+        with_comms = add_wait_send(with_comms)
+    schedule.pipeline_order_with_comms = with_comms
 
 
 def torch_schedules_module() -> Any:

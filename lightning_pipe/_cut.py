@@ -20,8 +20,9 @@ and the names of what the rank holds are unchanged, and ``state_dict()`` holds e
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -48,6 +49,8 @@ class Registration:
     paths: list[str] = field(default_factory=list)
     stages: frozenset[int] = frozenset()
     persistent: bool = True
+    key: str = ""  # the tensor's first name in the whole model (a checkpoint stores it under it)
+    requires_grad: bool = False  # as the whole model had it at the cut
 
     @property
     def table(self) -> dict:
@@ -72,6 +75,9 @@ class Cut:
         self.block_stage = [layout.stage_of_block(i) for i in range(len(backbone))]
         self.registrations = _registrations(module)
         self.names = ModelNames.of(module)
+        for reg in self.registrations:
+            reg.key = self.names.first_name.get(id(reg.tensor), reg.paths[0])
+            reg.requires_grad = reg.tensor.requires_grad
         self.param_counts = parameter_counts(module)  # for ModelSummary: the whole model's
         _refuse_shared_storage(module)
         self._place(module)
@@ -122,14 +128,13 @@ class Cut:
         """``(name, pipeline ranks, source rank)`` of every parameter held by several ranks: its gradients are summed
         over them. The source holds its first name in module order, whose module initialises it (see
         ``_stage.materialize_local``)."""
-        found: dict[int, tuple[str, frozenset[int], int]] = {}
+        found: dict[str, tuple[str, frozenset[int], int]] = {}
         for reg in self.registrations:
             if reg.kind != "parameter":
                 continue
-            name = self.names.first_name.get(id(reg.tensor), reg.paths[0])
             source = self.layout.stage_rank(min(reg.stages))
-            _, ranks, source = found.get(id(reg.tensor), (name, frozenset(), source))
-            found[id(reg.tensor)] = (name, ranks | self.ranks_of(reg), source)
+            _, ranks, source = found.get(reg.key, (reg.key, frozenset(), source))
+            found[reg.key] = (reg.key, ranks | self.ranks_of(reg), source)
         return [found_tie for found_tie in found.values() if len(found_tie[1]) > 1]
 
     def prefix_swaps(self, rank: int) -> list[tuple[nn.Module, str, str]]:
@@ -153,18 +158,53 @@ class Cut:
 
     # ------------------------------------------------------------------------------------------------ the split
     def keep_only(self, rank: int, device: torch.device) -> None:
-        """Turn every registration this rank does not hold into a ghost attribute (on ``device``)."""
-        held = {id(r) for r in self.held(rank)}
-        dropped = 0
+        """Turn every registration this rank does not hold into a ghost attribute (on ``device``), and let go of the
+        tensors it holds under no name (a model built on a real device frees the other ranks' share)."""
+        held = self.held(rank)
+        held_regs = {id(r) for r in held}
+        kept = {reg.key for reg in held}
+        stand_ins: dict[str, Tensor] = {}
         for reg in self.registrations:
-            if id(reg) in held:
+            if id(reg) in held_regs:
                 continue
             value = reg.table.pop(reg.name)
             if reg.kind == "buffer":
                 reg.owner._non_persistent_buffers_set.discard(reg.name)
             object.__setattr__(reg.owner, reg.name, ghost_of(value, device, reg.paths[0]))
-            dropped += 1
+            if reg.key not in kept:
+                if reg.key not in stand_ins:
+                    stand_ins[reg.key] = torch.empty_like(value, device="meta")
+                reg.tensor = stand_ins[reg.key]
+        held_ids = {id(reg.tensor) for reg in held}
+        self.names = replace(self.names, first_name={i: n for i, n in self.names.first_name.items() if i in held_ids})
         log.debug("pipeline rank %d keeps %d of %d tensors", rank, len(held), len(self.registrations))
+
+    @contextmanager
+    def registered_everywhere(self, rank: int) -> Iterator[None]:
+        """Register every parameter this rank does not hold again while the block runs: as the parameter itself where
+        the rank holds it under another name (a tied head), else as a ghost. ``configure_optimizers`` then builds
+        optimizers with the whole model's parameter groups (``self.head.parameters()`` on a rank without the head);
+        :func:`drop_ghosts` takes the ghosts out afterwards."""
+        held = self.held(rank)
+        held_regs = {id(r) for r in held}
+        real = {reg.key: reg.tensor for reg in held}
+        added: list[Registration] = []
+        ghosts: dict[str, Tensor] = {}
+        for reg in self.registrations:
+            if reg.kind != "parameter" or id(reg) in held_regs or reg.name in reg.table:
+                continue
+            value = real.get(reg.key)
+            if value is None:
+                if reg.key not in ghosts:
+                    ghosts[reg.key] = ghost_of(reg.owner.__dict__[reg.name]).requires_grad_(reg.requires_grad)
+                value = ghosts[reg.key]
+            reg.table[reg.name] = value
+            added.append(reg)
+        try:
+            yield
+        finally:
+            for reg in added:
+                reg.table.pop(reg.name, None)
 
     def convert_ghosts(self, rank: int, convert: Any) -> None:
         """Give the ghosts the dtypes the precision plugin's ``convert`` gives the module's tensors."""
@@ -229,3 +269,16 @@ def _unique(regs: Iterable[Registration]) -> list[Tensor]:
     for reg in regs:
         seen.setdefault(id(reg.tensor), reg.tensor)
     return list(seen.values())
+
+
+def drop_ghosts(optimizers: Iterable[torch.optim.Optimizer]) -> None:
+    """Take the ghosts :meth:`Cut.registered_everywhere` gave ``configure_optimizers`` out of the optimizers' groups
+    (a group may end up empty: torch steps it as nothing)."""
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            keep = [i for i, p in enumerate(group["params"]) if not isinstance(p, Ghost)]
+            if len(keep) == len(group["params"]):
+                continue
+            group["params"] = [group["params"][i] for i in keep]
+            if "param_names" in group:
+                group["param_names"] = [group["param_names"][i] for i in keep]

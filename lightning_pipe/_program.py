@@ -260,7 +260,11 @@ class StepProgram:
 
     def _swap(self, ghost: bool) -> None:
         for owner, name, kind, real, stand_in in self._swaps:
-            getattr(owner, f"_{kind}s")[name] = stand_in if ghost else real
+            table = getattr(owner, f"_{kind}s")
+            current, wanted = (real, stand_in) if ghost else (stand_in, real)
+            if table.get(name) is not current:  # registered under another name since (pruning's `weight_orig`)
+                name = next((key for key, value in table.items() if value is current), name)
+            table[name] = wanted
 
 
 class _Capture(BlockCalls):

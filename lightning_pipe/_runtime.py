@@ -38,6 +38,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 
 from lightning_pipe import timeline as _timeline
+from lightning_pipe._callbacks import align_param_groups
 from lightning_pipe._cut import Cut
 from lightning_pipe._ghost import Ghost, GhostValueError, contains_ghost
 from lightning_pipe._logging import LogChannel, LogRecorder, replay
@@ -286,13 +287,17 @@ class PipelineRuntime:
                     buffer.copy_(saved)
 
     def _check_trainable(self) -> None:
-        """At the first batch of each epoch: if no stage has a parameter that requires a gradient, fail as one process
-        fails in ``loss.backward()`` (instead of running the schedule and stepping nothing). One small collective per
-        epoch over the pipeline: every rank raises."""
-        epoch = self.module.trainer.current_epoch
+        """At the first batch of each epoch (callbacks freeze, unfreeze and add parameter groups at epoch starts): if
+        no stage has a parameter that requires a gradient, fail as one process fails in ``loss.backward()`` (instead
+        of running the schedule and stepping nothing), and align the optimizers' parameter groups over the pipeline
+        (:func:`~lightning_pipe._callbacks.align_param_groups`). Small collectives over the pipeline, once per
+        epoch: every rank raises."""
+        trainer = self.module.trainer
+        epoch = trainer.current_epoch
         if self._trainable_checked == epoch:
             return
         self._trainable_checked = epoch
+        align_param_groups(trainer.optimizers, self.pipeline.group, self.device)
         count = torch.tensor([float(len(self.gradients.trainable()))], device=self.device)
         dist.all_reduce(count, group=self.pipeline.group)
         if count.item() == 0:

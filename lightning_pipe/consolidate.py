@@ -3,13 +3,16 @@ lightning_pipe checkpoint directory.
 
 Usage::
 
-    python -m lightning_pipe.consolidate CKPT_DIR OUT.ckpt [--weights-only] [--overwrite]
+    python -m lightning_pipe.consolidate CKPT_DIR OUT.ckpt [--weights-only] [--overwrite] [--trusted]
     lightning-pipe-consolidate CKPT_DIR OUT.ckpt
 
 It runs in one process, needs no GPU and no process group, and reads the shards of every rank. The file it
 writes is what single-device training would have saved: ``Model.load_from_checkpoint(OUT.ckpt)`` loads it without
 any strategy, and ``Trainer(...).fit(model, ckpt_path=OUT.ckpt)`` resumes from it on any strategy. From Python:
 :func:`~lightning_pipe.checkpoint.consolidated_checkpoint` returns the same dictionary without writing it.
+
+The directory is read without running code from it: a file that holds anything else than tensors, plain
+containers and DCP's index is refused (exit status 1, naming the file), unless ``--trusted`` is given.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch
 
 from lightning_pipe.checkpoint import consolidate, consolidated_checkpoint
 from lightning_pipe.checkpoint._consolidate import write_file
+from lightning_pipe.checkpoint._safe import DamagedCheckpointError, UnsafeCheckpointError
 
 __all__ = ["consolidate", "consolidated_checkpoint", "main"]
 
@@ -60,14 +64,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         help="leave out optimizer, LR scheduler and callback states (like ModelCheckpoint(save_weights_only=True))",
     )
     parser.add_argument("--overwrite", action="store_true", help="replace OUT.ckpt if it exists")
+    parser.add_argument(
+        "--trusted",
+        action="store_true",
+        help="the checkpoint comes from a source you trust: unpickle its files without restrictions (like"
+        " torch.load(weights_only=False)), which runs any code they hold. Without it nothing from them runs, and a"
+        " file holding objects of other classes than tensors and plain containers is refused",
+    )
     args = parser.parse_args(argv)
     out = Path(args.output)
     if out.exists() and not args.overwrite:
         parser.error(f"`{out}` exists; pass --overwrite to replace it.")
     try:
-        checkpoint = consolidated_checkpoint(args.checkpoint_dir, weights_only=args.weights_only)
+        checkpoint = consolidated_checkpoint(args.checkpoint_dir, weights_only=args.weights_only, trusted=args.trusted)
     except FileNotFoundError as err:
         parser.error(str(err))
+    except (UnsafeCheckpointError, DamagedCheckpointError) as err:
+        parser.exit(1, f"{parser.prog}: error: {err}\n")
     write_file(checkpoint, out)
     tensors = checkpoint["state_dict"]
     numel = sum(t.numel() for t in tensors.values() if isinstance(t, torch.Tensor))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import signal
 import subprocess
 import time
@@ -33,10 +34,11 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 from typing_extensions import override
 
-from lightning_pipe import _compat, _stage
-from lightning_pipe._cut import Cut
+from lightning_pipe import _callbacks, _compat, _stage
+from lightning_pipe._cut import Cut, drop_ghosts
 from lightning_pipe._microbatches import MicrobatchPolicy
 from lightning_pipe._precision import PipelinePrecision, pipeline_precision
 from lightning_pipe._profile import first_batch, measure_backbone
@@ -44,6 +46,7 @@ from lightning_pipe._runtime import PipelineRuntime
 from lightning_pipe._split import cut_module, refuse_unsupported
 from lightning_pipe._summary import summarize_whole_model
 from lightning_pipe.checkpoint import _dcp, _files
+from lightning_pipe.checkpoint._names import all_gather
 from lightning_pipe.partition import BALANCE_MODES, StageLayout, resolve_sizes
 from lightning_pipe.schedules import SCHEDULES, ScheduleSpec, schedule_spec
 from lightning_pipe.timeline import TimelineOptions
@@ -172,6 +175,7 @@ class PipelineStrategy(ParallelStrategy):
         self._runtime: Optional[PipelineRuntime] = None
         self._tie_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
         self._failed = False  # set by `on_exception`: teardown must not wait on the other ranks then
+        self._own_sampling = False  # one replica: the strategy, not Lightning, decides the loaders' samplers
         self.num_nodes = 1
 
     # ------------------------------------------------------------------ properties
@@ -325,8 +329,12 @@ class PipelineStrategy(ParallelStrategy):
             sample=lambda: first_batch(module, self.batch_to_device), measure=measure,
         )
         _stage.materialize_local(module, cut.backbone, device)
+        tied = _shared_parameters(module, cut)
+        _callbacks.after_cut(trainer.callbacks, module, tied=tied, group=mesh.get_group("pp"))
         trainer.callbacks = summarize_whole_model(trainer.callbacks, cut.param_counts)
         _compat.count_replicas_in_throughput(trainer.callbacks, self.data_parallel_size)
+        if self.data_parallel_size == 1 and not self._own_sampling:
+            self._own_sampling = _compat.keep_loader_order(trainer)
         self.model = self.precision_plugin.convert_module(module)
         cut.convert_ghosts(rank, self.precision_plugin.convert_module)
         self.model_to_device()
@@ -345,6 +353,31 @@ class PipelineStrategy(ParallelStrategy):
         if fitting:
             _compat.optimizers_to_device(self.optimizers, device)
         log.debug("rank %d: setup done for %s", self.global_rank, trainer.state.fn)
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """With one pipeline (no data parallelism) the loaders are left as they are, not given Lightning's shuffling
+        distributed sampler: a ``shuffle=False`` loader keeps its order, as on one device. A loader that shuffles
+        from the global random state (``shuffle=True`` without a ``generator``) would draw a different order on each
+        stage, whose random states part ways: it gets a sampler seeded the same on every stage and reshuffled every
+        epoch (``DistributedSampler(num_replicas=1, seed=<seed_everything's>)``, what DDP gives each replica)."""
+        if not self._own_sampling or not isinstance(dataloader, DataLoader):
+            return dataloader
+        sampler = dataloader.sampler
+        if type(sampler) is RandomSampler and sampler.generator is None and not sampler.replacement:
+            seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
+            same = DistributedSampler(dataloader.dataset, num_replicas=1, rank=0, shuffle=True, seed=seed)
+            return _compat.with_sampler(dataloader, same)
+        return dataloader
+
+    @override
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        """``configure_optimizers`` sees every parameter of the model (those of other ranks as ghosts), so that the
+        optimizers have the parameter groups they have on one process, on every rank (``self.head.parameters()`` on a
+        rank without the head gives an empty group, not an error); then the ghosts are taken out."""
+        with self.runtime.cut.registered_everywhere(self.pipeline_rank):
+            super().setup_optimizers(trainer)
+        drop_ghosts(self.optimizers)
 
     def _tie_groups_of(self, cut: Cut) -> list[tuple[dist.ProcessGroup, list[nn.Parameter]]]:
         """A process group for every set of pipeline ranks sharing a parameter (in each replica), with this rank's
@@ -391,6 +424,7 @@ class PipelineStrategy(ParallelStrategy):
 
     @override
     def on_train_start(self) -> None:
+        _callbacks.after_restore(self.lightning_module.trainer.callbacks)
         self.runtime.microbatches.check_batch_size(_batch_size(self.lightning_module.trainer.train_dataloader), "train")
 
     @override
@@ -469,6 +503,9 @@ class PipelineStrategy(ParallelStrategy):
             raise TypeError(f"`{type(self).__name__}.save_checkpoint(..., storage_options=...)` is not supported.")
         cut = self.runtime.cut
         layout = cut.layout
+        checkpoint = dict(checkpoint)
+        local_states = _callbacks.local_states(checkpoint)
+        _callbacks.merge_finetuning_metadata(checkpoint, all_gather)
         stored_layout = {
             "bounds": [list(b) for b in layout.bounds],
             "pipeline_parallel_size": layout.pipeline_size,
@@ -480,6 +517,7 @@ class PipelineStrategy(ParallelStrategy):
         _dcp.save(
             checkpoint, self.broadcast(filepath), module=self.lightning_module, optimizers=self.optimizers,
             names=cut.names, layout=stored_layout, is_global_zero=self.is_global_zero, barrier=self.barrier,
+            local_states=local_states,
         )
 
     @override
@@ -489,6 +527,7 @@ class PipelineStrategy(ParallelStrategy):
             self.broadcast(checkpoint_path), module=module, optimizers=self.optimizers, names=self.runtime.cut.names,
             fitting=module.trainer.state.fn == TrainerFn.FITTING, weights_only=weights_only,
             checkpoint_io=self.checkpoint_io, global_rank=self.global_rank,
+            prepare=lambda checkpoint: _callbacks.before_restore(module.trainer, checkpoint, module),
         )
 
     @override
@@ -587,6 +626,12 @@ def _validated_options(
         pipeline_parallel_size, data_parallel_size, num_microbatches, spec, stages_per_rank, backbone, balance,
         activation_checkpointing, TimelineOptions.resolve(timeline),
     )
+
+
+def _shared_parameters(module: nn.Module, cut: Cut) -> set[int]:
+    """Ids of this rank's parameters that are tied: held by several ranks, or under several names."""
+    shared = {name for name, _, _ in cut.ties()} | set(cut.names.aliases.values())
+    return {id(p) for p in module.parameters() if cut.names.first_name.get(id(p)) in shared}
 
 
 def _batch_size(loader: Any) -> Any:

@@ -95,6 +95,47 @@ class TinyLM(L.LightningModule):
         return opt
 
 
+class FinetuneLM(L.LightningModule):
+    """A feature extractor (``backbone``: embedding and blocks, as a pretrained model would be) under a neck of
+    blocks and a head, the shape ``BackboneFinetuning`` expects. The pipeline runs the blocks of both
+    (``backbone=["backbone.blocks", "neck"]``): with two stages, the first holds only the feature extractor.
+
+    Args:
+        optimize: ``"trainable"`` builds the optimizer over the parameters that require grad (``BaseFinetuning``'s
+            documented pattern; empty on a stage that holds only frozen modules), ``"all"`` over every parameter.
+    """
+
+    def __init__(self, optimize: str = "trainable", lr: float = 0.02) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.backbone = nn.Module()
+        self.backbone.embed = nn.Embedding(VOCAB, DIM)
+        self.backbone.blocks = nn.ModuleList([Block() for _ in range(2)])
+        self.neck = nn.ModuleList([Block() for _ in range(2)])
+        self.norm = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.backbone.embed(x)
+        for block in self.backbone.blocks:
+            h = block(h)
+        for block in self.neck:
+            h = block(h)
+        return self.head(self.norm(h))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = F.cross_entropy(self(x).flatten(0, 1), y.flatten())
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        params = self.parameters()
+        if self.hparams.optimize == "trainable":
+            params = filter(lambda p: p.requires_grad, params)
+        return torch.optim.AdamW(params, lr=self.hparams.lr)
+
+
 class _SeqBatchNorm(nn.Module):
     def __init__(self, dim: int) -> None:
         super().__init__()

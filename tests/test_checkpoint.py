@@ -443,8 +443,19 @@ def test_optimizer_round_trip_before_and_after_the_first_step(tmp_path):
     _load_one_rank(other, [other_opt], path)
     assert not other_opt.state and other_opt.param_groups[0]["lr"] == 0.01
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in other.state_dict().items())
-
+    # The LR finder's case: the optimizer stepped since, and got an `initial_lr`; it comes back as
+    # `Optimizer.load_state_dict` leaves it: no state, exactly the saved hyper-parameters.
     x, y = models.token_data(8)[:]
+    stepped, stepped_opt = make(4)
+    torch.nn.functional.cross_entropy(stepped(x).flatten(0, 1), y.flatten()).backward()
+    stepped_opt.step()
+    stepped_opt.param_groups[0]["initial_lr"] = 5.0
+    _load_one_rank(stepped, [stepped_opt], path)
+    assert not stepped_opt.state
+    saved_keys = {k for k in opt.param_groups[0] if k != "params"}
+    assert set(stepped_opt.param_groups[0]) - {"params"} == saved_keys
+    assert stepped_opt.param_groups[0]["lr"] == 0.01
+
     torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
     opt.step()
     _save_one_rank(model, [opt], lightning_dict(model), path)  # replaces the first save

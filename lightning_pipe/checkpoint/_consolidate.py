@@ -5,6 +5,8 @@ single-device training would have saved: ``state_dict`` with every parameter and
 optimizer states in ``torch.optim`` format (``optimizer_states``), the LR schedulers, loops, callbacks,
 hyper-parameters, ``epoch`` and ``global_step``. :func:`consolidate` writes it to a file;
 :func:`load_from_checkpoint` loads a LightningModule from a directory through Lightning's own loader.
+
+All three read the directory without running code from it (``_safe``) unless told the checkpoint is trusted.
 """
 
 from __future__ import annotations
@@ -17,10 +19,12 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
 from lightning_pipe import _compat
-from lightning_pipe.checkpoint._files import INFO_KEY, META_FILENAME, is_pipeline_checkpoint, read_meta
+from lightning_pipe.checkpoint._files import INFO_KEY, META_FILENAME, is_pipeline_checkpoint, read_meta, resolve
 from lightning_pipe.checkpoint._names import split_name
+from lightning_pipe.checkpoint._safe import SafeFileSystemReader, load_dcp_metadata, read_error
 
 log = logging.getLogger(__name__)
 
@@ -28,24 +32,44 @@ log = logging.getLogger(__name__)
 _TRAINING_STATE_KEYS = ("optimizer_states", "lr_schedulers", "callbacks")
 
 
-def consolidated_checkpoint(checkpoint_dir: Any, weights_only: bool = False) -> dict[str, Any]:
+def consolidated_checkpoint(
+    checkpoint_dir: Any, weights_only: bool = False, *, trusted: bool = False
+) -> dict[str, Any]:
     """Read a lightning_pipe checkpoint directory into one ordinary Lightning checkpoint dictionary.
 
     Args:
         checkpoint_dir: the directory ``ModelCheckpoint`` or ``trainer.save_checkpoint`` wrote.
         weights_only: leave out the optimizer, LR scheduler and callback states, as
             ``ModelCheckpoint(save_weights_only=True)`` does.
+        trusted: the checkpoint comes from a source you trust: unpickle its files without restrictions (what
+            ``weights_only=False`` means to ``torch.load``), which runs any code they hold. By default nothing from
+            them runs, and a file that references anything else than tensors, plain containers and DCP's index
+            classes is refused with :class:`~lightning_pipe.checkpoint._safe.UnsafeCheckpointError`.
+
+    Raises:
+        FileNotFoundError: ``checkpoint_dir`` is not a complete checkpoint directory.
+        UnsafeCheckpointError: a file was refused (it names the file and what it references).
+        DamagedCheckpointError: a file is truncated or not what lightning_pipe wrote.
     """
-    path = Path(checkpoint_dir)
+    path = resolve(Path(checkpoint_dir))
     if not is_pipeline_checkpoint(path):
         raise FileNotFoundError(
             f"`{path}` is not a complete lightning_pipe checkpoint directory (it needs `{META_FILENAME}` and DCP's"
             " `.metadata`)."
         )
-    checkpoint = read_meta(path)
+    weights_only_load = False if trusted else None
+    checkpoint = read_meta(path, weights_only_load)
     info = checkpoint.pop(INFO_KEY, None) or {}
     checkpoint.pop("pipeline_layout", None)
-    stored = _compat.read_dcp_in_one_process(path, keys={"state_dict"} if weights_only else None)
+    load_dcp_metadata(path / ".metadata", weights_only_load)  # its own message before DCP wraps it
+    try:
+        stored = _compat.read_dcp_in_one_process(
+            path,
+            keys={"state_dict"} if weights_only else None,
+            storage_reader=SafeFileSystemReader(path, weights_only_load),
+        )
+    except (Exception, CheckpointException) as err:  # CheckpointException is a BaseException
+        raise read_error(err, path) from err
     weights = stored.pop("state_dict", {})
     for alias, first in info.get("aliases", {}).items():  # a tensor with several names is stored once
         if first in weights:
@@ -65,12 +89,14 @@ def consolidated_checkpoint(checkpoint_dir: Any, weights_only: bool = False) -> 
     return checkpoint
 
 
-def consolidate(checkpoint_dir: Any, output: Any, weights_only: bool = False, overwrite: bool = False) -> Path:
+def consolidate(
+    checkpoint_dir: Any, output: Any, weights_only: bool = False, overwrite: bool = False, *, trusted: bool = False
+) -> Path:
     """Write :func:`consolidated_checkpoint` of ``checkpoint_dir`` to the file ``output``; return its path."""
     out = Path(output)
     if out.exists() and not overwrite:
         raise FileExistsError(f"`{out}` exists; pass `--overwrite` (or `overwrite=True`) to replace it.")
-    write_file(consolidated_checkpoint(checkpoint_dir, weights_only=weights_only), out)
+    write_file(consolidated_checkpoint(checkpoint_dir, weights_only=weights_only, trusted=trusted), out)
     return out
 
 
@@ -132,6 +158,8 @@ def load_from_checkpoint(cls: type, checkpoint_path: Any, **kwargs: Any) -> Any:
     --weights-only`` would write them) and handed to Lightning's own loader, so ``map_location``, ``hparams_file``,
     ``strict`` and hyper-parameter overrides in ``kwargs`` behave as they always do. Any other path goes to
     ``cls.load_from_checkpoint`` unchanged. No process group is needed: this process reads every rank's shards.
+    ``weights_only`` means what it means to Lightning: the directory's files are read weights-only (nothing from them
+    runs) unless it is ``False``.
 
     Example::
 
@@ -146,7 +174,8 @@ def load_from_checkpoint(cls: type, checkpoint_path: Any, **kwargs: Any) -> Any:
                 " checkpoint directory."
             )
         buffer = io.BytesIO()
-        torch.save(consolidated_checkpoint(checkpoint_path, weights_only=True), buffer)
+        trusted = kwargs.get("weights_only") is False
+        torch.save(consolidated_checkpoint(checkpoint_path, weights_only=True, trusted=trusted), buffer)
         buffer.seek(0)
         log.debug("consolidated %s in memory (%d bytes) for load_from_checkpoint", checkpoint_path, buffer.tell())
         checkpoint_path = buffer

@@ -4,7 +4,11 @@ The directory layout and the safe replacement of a directory are in ``_files``; 
 and optimizer state that makes a checkpoint loadable onto any pipeline layout is in ``_names``.
 
 Loading accepts a checkpoint directory saved with any pipeline layout (another pipeline size, balance or
-schedule) or an ordinary single-file Lightning checkpoint; every rank takes its stages' slice.
+schedule) or an ordinary single-file Lightning checkpoint; every rank takes its stages' slice. Files are read
+without running code from them (``_safe``) unless the user passes ``weights_only=False``.
+
+A step of a save or a load that fails on one rank fails on every rank: the outcome of each step that can fail on
+some ranks only is exchanged before the next collective, so no rank is left waiting for another.
 """
 
 from __future__ import annotations
@@ -14,11 +18,11 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
 from lightning_pipe.checkpoint._files import (
     FORMAT_VERSION,
@@ -32,17 +36,19 @@ from lightning_pipe.checkpoint._files import (
     sibling,
     write_meta,
 )
+from lightning_pipe.checkpoint._local import markers
 from lightning_pipe.checkpoint._names import (
-    OPTIM_OPTIONS,
     CheckpointMismatchError,
     ModelNames,
     all_gather,
-    flat_param_groups,
+    group_representatives,
+    load_flat_optimizer_state,
     load_full_optimizer_state,
     optimizer_state_for_save,
-    replace_param_groups,
     stored_group_keys,
+    stored_state_keys,
 )
+from lightning_pipe.checkpoint._safe import SafeFileSystemReader, load_dcp_metadata, read_error
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +64,7 @@ def save(
     layout: dict[str, Any],
     is_global_zero: bool,
     barrier: Callable[[str], None],
+    local_states: Optional[dict[str, dict[str, Any]]] = None,
 ) -> None:
     """Write ``checkpoint`` (Lightning's dict) to the directory ``filepath``; called on every rank with the same path.
 
@@ -67,43 +74,93 @@ def save(
         names: the whole model's names (a tensor with several names is stored once, under its first).
         layout: the pipeline layout to store (see ``_files.layout_of``).
         is_global_zero: this rank writes ``meta.pt`` and commits the directory.
-        barrier: a barrier over all ranks.
+        barrier: unused, kept for callers: the steps are synchronised by exchanging their outcomes, so that a
+            failure on one rank is raised on all (:class:`CheckpointSaveError`). Whatever was at ``filepath``
+            before is then still there and loadable, the temporary directory is removed, and the model and
+            optimizers are untouched.
+        local_states: per-rank state dicts (keyed by this rank's state-dict names) whose place in ``checkpoint`` holds
+            a marker (``_local``): stored like the weights, under their key.
     """
     path = Path(filepath)
     tmp = sibling(path, TMP_SUFFIX)
-    if is_global_zero:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if tmp.exists() or tmp.is_symlink():
-            remove(tmp)  # left by a save that was killed
-    barrier("lightning_pipe.save.start")
+    failure = _attempt(_prepare, path, tmp) if is_global_zero else None
+    _outcome_on_every_rank(failure, path, "preparing its directory", tmp if is_global_zero else None)
     checkpoint = dict(checkpoint)
     # `ModelCheckpoint(save_weights_only=True)` leaves out optimizer and scheduler states: so do we.
     with_optimizers = "optimizer_states" in checkpoint
     checkpoint.pop("optimizer_states", None)
     weights = {names.stored(k): v for k, v in checkpoint.pop("state_dict").items()}
     state: dict[str, Any] = {"state_dict": weights}
+    for key, local in (local_states or {}).items():
+        state[key] = {names.stored(k): v for k, v in local.items()}
     optimizers = list(optimizers) if with_optimizers else []
     for idx, optimizer in enumerate(optimizers):
-        state[f"optimizer_{idx}"] = optimizer_state_for_save(module, optimizer, names)
+        state[f"optimizer_{idx}"] = optimizer_state_for_save(optimizer, names)
     # Names only: every optimizer's parameter groups on every rank.
     gathered = all_gather([names.group_names(opt) for opt in optimizers])
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True))
-    if is_global_zero:
+    # DCP raises a failure of any rank's writer on every rank.
+    failure = _attempt(dcp.save, state, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True))
+    if is_global_zero and failure is None:
         checkpoint[INFO_KEY] = {
             "format_version": FORMAT_VERSION,
             "state_dict_keys": list(names.state_keys),
             "aliases": dict(names.aliases),
             "optimizers": [
-                {"param_groups": names.merge_groups([groups[idx] for groups in gathered])}
+                {
+                    "param_groups": names.merge_groups([groups[idx] for groups in gathered]),
+                    "class": _class_name(optimizers[idx]),
+                }
                 for idx in range(len(optimizers))
             ],
             "pipeline_layout": layout,
         }
-        write_meta(checkpoint, tmp)
-    barrier("lightning_pipe.save.written")
-    if is_global_zero:
-        commit(tmp, path)
-    barrier("lightning_pipe.save.done")
+        failure = _attempt(write_meta, checkpoint, tmp)
+    _outcome_on_every_rank(failure, path, "writing it", tmp if is_global_zero else None)
+    failure = _attempt(commit, tmp, path) if is_global_zero else None
+    _outcome_on_every_rank(failure, path, "moving it into place", tmp if is_global_zero else None)
+
+
+class CheckpointSaveError(RuntimeError):
+    """Saving a checkpoint failed on some rank; raised on every rank. The previous checkpoint is untouched."""
+
+
+def _prepare(path: Path, tmp: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if tmp.exists() or tmp.is_symlink():
+        remove(tmp)  # left by a save that was killed
+
+
+def _attempt(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Optional[BaseException]:
+    """Run ``fn``; return what it raised (DCP's ``CheckpointException`` is a ``BaseException``), or None."""
+    try:
+        fn(*args, **kwargs)
+    except (Exception, CheckpointException) as err:
+        log.debug("checkpoint step %s failed", getattr(fn, "__name__", fn), exc_info=True)
+        return err
+    return None
+
+
+def _outcome_on_every_rank(failure: Optional[BaseException], path: Path, step: str, cleanup: Optional[Path]) -> None:
+    """Exchange one save step's outcome; if any rank failed, remove ``cleanup`` (the temporary directory, by rank 0)
+    and raise :class:`CheckpointSaveError` on every rank."""
+    text = None
+    if isinstance(failure, CheckpointException):
+        text = _first_line(failure)  # DCP's failures, each with its rank, seen by every rank
+    elif failure is not None:
+        text = f"rank {dist.get_rank() if dist.is_initialized() else 0}: {_first_line(failure)}"
+    failed = [t for t in all_gather(text) if t is not None]
+    if not failed:
+        return
+    if cleanup is not None and (cleanup.exists() or cleanup.is_symlink()):
+        try:
+            remove(cleanup)
+        except OSError as err:
+            log.warning("could not remove the unfinished checkpoint %s: %s", cleanup, err)
+    causes = "; ".join(dict.fromkeys(failed))
+    raise CheckpointSaveError(
+        f"Saving checkpoint `{path}` failed while {step} ({causes}). Nothing was written under that name: a"
+        " checkpoint that was there before is still there, and the model and optimizer states are unchanged."
+    ) from failure
 
 
 def load(
@@ -116,19 +173,21 @@ def load(
     weights_only: Optional[bool],
     checkpoint_io: Any,
     global_rank: int,
+    prepare: Optional[Callable[[dict[str, Any]], None]] = None,
 ) -> dict[str, Any]:
     """Load a checkpoint into ``module`` and ``optimizers`` in place; return the rest for Lightning.
 
     ``filepath`` is a pipelined checkpoint directory (any pipeline layout) or an ordinary single-file Lightning
     checkpoint, of which each rank takes its stages' weights (and, when ``fitting``, their optimizer state).
+    ``prepare`` sees the checkpoint before the optimizers are restored (callbacks rebuild parameter groups there).
+    Per-rank state dicts (``_local``) come back with this rank's tensors.
     """
-    path = resolve(Path(filepath))
+    path, checkpoint, metadata = _read_on_every_rank(Path(filepath), weights_only, global_rank)
     strict = module.strict_loading
-    if path.is_file():
+    if checkpoint is None:  # a single file
         optimizers = optimizers if fitting else []
-        return _load_file(path, module, optimizers, names, weights_only, checkpoint_io, global_rank)
-    checkpoint = read_meta(path, weights_only)
-    checkpoint.pop(INFO_KEY, None)
+        return _load_file(path, module, optimizers, names, weights_only, checkpoint_io, global_rank, prepare)
+    info = checkpoint.pop(INFO_KEY, None) or {}
     checkpoint.pop("pipeline_layout", None)
     local = module.state_dict()
     weights = {names.stored(k): v for k, v in local.items()}
@@ -136,47 +195,87 @@ def load(
     # Optimizers are restored when fitting and when the checkpoint has them (not `save_weights_only`); Lightning
     # itself raises for a weights-only checkpoint because the LR scheduler states are missing then.
     optimizers = list(optimizers) if fitting and "lr_schedulers" in checkpoint else []
-    stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    stepped = [any(k.startswith(f"optimizer_{idx}.state.") for k in stored) for idx in range(len(optimizers))]
+    if prepare is not None:
+        prepare(checkpoint)
+    stored = metadata.state_dict_metadata
+    marked = list(markers(checkpoint))
+    for _, _, key in marked:  # per-rank state dicts (`_local`): this rank's entries, with their stored dtypes
+        state[key] = {s: _placeholder(stored[f"{key}.{s}"]) for s in weights if f"{key}.{s}" in stored}
+    _check_optimizer_classes(path, info, optimizers, global_rank)
+    reps: list[list[Optional[str]]] = []
     for idx, optimizer in enumerate(optimizers):
-        # The template of what to read: the state if the checkpoint has any (an optimizer saved before its first step
-        # has none), and exactly the hyper-parameters the checkpoint holds, which replace the groups' (as
-        # `Optimizer.load_state_dict` does: the LR finder restores an unstepped optimizer after stepping it).
+        # The template of what to read: the state the checkpoint holds for this rank's parameters (none for an
+        # optimizer saved before its first step), and exactly the hyper-parameters it holds, which replace the
+        # groups' (as `Optimizer.load_state_dict` does: the LR finder restores an unstepped optimizer after stepping
+        # it, and its `initial_lr` must go).
+        saved = info.get("optimizers") or []
+        merged = saved[idx].get("param_groups") if idx < len(saved) else None
+        reps.append(group_representatives(optimizer, names, merged))
         template = {}
-        if stepped[idx]:
-            flat = get_optimizer_state_dict(module, optimizer, options=OPTIM_OPTIONS)
-            template = {
-                k: v for k, v in names.optimizer_keys(module, flat, to_stored=True).items() if k.startswith("state.")
-            }
-        keys = stored_group_keys(optimizer, names, stored, f"optimizer_{idx}.param_groups.")
-        for name, subs in keys.items():
-            for key in subs:
-                entry = f"param_groups.{name}.{key}"
-                template[entry] = _placeholder(stored.get(f"optimizer_{idx}.{entry}"))
+        for section, keys in (
+            ("state", stored_state_keys(optimizer, names, stored, f"optimizer_{idx}.state.")),
+            ("param_groups", stored_group_keys(optimizer, names, stored, f"optimizer_{idx}.param_groups.", reps[idx])),
+        ):
+            for name, subs in keys.items():
+                for key in subs:
+                    entry = f"{section}.{name}.{key}"
+                    template[entry] = _placeholder(stored.get(f"optimizer_{idx}.{entry}"))
         state[f"optimizer_{idx}"] = template
     _check_against(path, state, stored, strict, global_rank)
     try:  # DCP gathers every rank's read errors and raises them on all ranks
-        dcp.load(state, checkpoint_id=path, planner=dcp.DefaultLoadPlanner(allow_partial_load=not strict))
+        dcp.load(
+            state,
+            storage_reader=SafeFileSystemReader(path, weights_only),
+            planner=dcp.DefaultLoadPlanner(allow_partial_load=not strict),
+        )
     except (Exception, CheckpointException) as err:  # CheckpointException is a BaseException
-        raise RuntimeError(
-            f"Reading checkpoint `{path}` failed (reported on rank {global_rank}): its files are damaged or"
-            f" incomplete. Load an earlier checkpoint. Cause: {_first_line(err)}"
-        ) from err
+        raise read_error(err, path, global_rank) from err
     module.load_state_dict({k: weights[names.stored(k)] for k in local}, strict=strict)
     for idx, optimizer in enumerate(optimizers):
-        loaded = state[f"optimizer_{idx}"]
-        if stepped[idx]:
-            # torch reads every hyper-parameter the groups have now; those the checkpoint lacks are dropped below.
-            flat = {**flat_param_groups(optimizer, names), **loaded}
-            set_optimizer_state_dict(
-                module, optimizer, names.optimizer_keys(module, flat, to_stored=False), options=OPTIM_OPTIONS
-            )
-        else:
-            optimizer.state.clear()
-        replace_param_groups(optimizer, loaded, names)
+        load_flat_optimizer_state(optimizer, state[f"optimizer_{idx}"], names, reps[idx])
+    for container, entry, key in marked:
+        container[entry] = {k: state[key][names.stored(k)] for k in local if names.stored(k) in state[key]}
     checkpoint["state_dict"] = module.state_dict()  # this rank's part, for `on_load_checkpoint` hooks
     log.debug("rank %d: loaded checkpoint %s", global_rank, path)
     return checkpoint
+
+
+def _class_name(obj: Any) -> str:
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+def _check_optimizer_classes(path: Path, info: dict[str, Any], optimizers: list[Any], rank: int) -> None:
+    """Refuse optimizer state saved by another kind of optimizer (SGD's momentum is no state for AdamW). Every rank
+    reads the same ``meta.pt`` and builds the same optimizers, so every rank raises."""
+    saved = info.get("optimizers") or []
+    for idx, optimizer in enumerate(optimizers):
+        stored = saved[idx].get("class") if idx < len(saved) else None  # absent in checkpoints of older versions
+        if stored is not None and stored != _class_name(optimizer):
+            raise CheckpointMismatchError(
+                f"Checkpoint `{path}` holds the state of optimizer {idx} as saved by `{stored}`, but"
+                f" `configure_optimizers` now returns `{_class_name(optimizer)}` (reported on rank {rank})."
+                " Resume with the optimizer the checkpoint was saved with; to fine-tune with another optimizer,"
+                " load the weights (`Model.load_from_checkpoint`) and call `trainer.fit` without `ckpt_path`."
+            )
+
+
+def _read_on_every_rank(filepath: Path, weights_only: Optional[bool], rank: int) -> tuple[Path, Any, Any]:
+    """The checkpoint to read, its ``meta.pt`` and DCP's index (both None for a single file). A failure on any rank
+    (a missing, damaged or refused file) is raised on every rank, before any rank enters DCP's collectives."""
+    path, checkpoint, metadata, failure = filepath, None, None, None
+    try:
+        path = resolve(filepath)
+        if path.is_dir():
+            checkpoint = read_meta(path, weights_only)
+            metadata = load_dcp_metadata(path / ".metadata", weights_only)
+    except Exception as err:
+        failure = err
+    reports = all_gather(None if failure is None else (rank, failure))
+    if failure is not None:
+        raise failure
+    for other, error in (r for r in reports if r is not None):
+        raise type(error)(f"{error} (reported on rank {other})") from error
+    return path, checkpoint, metadata
 
 
 def _placeholder(meta: Any) -> Any:
@@ -258,6 +357,7 @@ def _load_file(
     weights_only: Optional[bool],
     checkpoint_io: Any,
     global_rank: int,
+    prepare: Optional[Callable[[dict[str, Any]], None]] = None,
 ) -> dict[str, Any]:
     """Each rank takes its stages from an ordinary single-file Lightning checkpoint."""
     strict = module.strict_loading
@@ -269,6 +369,8 @@ def _load_file(
     stored = {f"state_dict.{k}": v for k, v in full.items() if isinstance(v, torch.Tensor)}
     _check_against(path, {"state_dict": local}, stored, strict, global_rank)
     module.load_state_dict({k: full[k] for k in local if k in full}, strict=strict)
+    if prepare is not None:
+        prepare(checkpoint)
     optimizer_states = checkpoint.pop("optimizer_states", None)
     if optimizers and optimizer_states is not None:
         gathered = all_gather([names.group_names(opt) for opt in optimizers])
@@ -284,8 +386,13 @@ def _load_file(
     return checkpoint
 
 
-def stored_balance(filepath: Any) -> list[int]:
+def stored_balance(filepath: Any, weights_only: Optional[bool] = None) -> list[int]:
     """The modules per stage of the split a checkpoint directory was saved with, e.g. a profiled
-    ``balance="time"`` split, to pass as ``PipelineStrategy(balance=stored_balance(ckpt_dir))`` on resume."""
-    layout = layout_of(read_meta(resolve(Path(filepath)), weights_only=True))
+    ``balance="time"`` split, to pass as ``PipelineStrategy(balance=stored_balance(ckpt_dir))`` on resume.
+
+    Args:
+        weights_only: ``meta.pt`` is read weights-only unless this is ``False`` (as in Lightning): pass ``False``
+            for a checkpoint you trust whose hyper-parameters hold objects of your own classes.
+    """
+    layout = layout_of(read_meta(resolve(Path(filepath)), weights_only))
     return [stop - start for start, stop in layout["bounds"]]

@@ -14,6 +14,9 @@ every rank has written and synced its files (:func:`commit`): a job killed mid-s
 intact and no half-written directory under the final name. Overwriting a checkpoint of the same name
 (``last.ckpt``) moves the old one aside (``<name>.old-lightning-pipe``) for the instant between the two renames;
 loading falls back to it (:func:`resolve`).
+
+Both ``meta.pt`` and DCP's files are read without running code from them unless the user passes
+``weights_only=False`` (``_safe``).
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from typing import Any, Optional
 
 import torch
 
+from lightning_pipe.checkpoint._safe import DamagedCheckpointError, load_torch_file
+
 log = logging.getLogger(__name__)
 
 META_FILENAME = "meta.pt"
@@ -37,17 +42,26 @@ OLD_SUFFIX = ".old-lightning-pipe"
 
 
 def is_pipeline_checkpoint(path: Any) -> bool:
-    """Whether ``path`` is a complete lightning_pipe checkpoint directory."""
+    """Whether ``path`` is a complete lightning_pipe checkpoint directory (a save that did not finish is not)."""
     try:
         path = Path(path)
     except TypeError:
+        return False
+    if path.name.endswith(TMP_SUFFIX):
         return False
     return path.is_dir() and (path / META_FILENAME).is_file() and (path / ".metadata").is_file()
 
 
 def read_meta(path: Path, weights_only: Optional[bool] = None) -> dict[str, Any]:
-    """``meta.pt`` of the checkpoint directory ``path``."""
-    return torch.load(path / META_FILENAME, map_location="cpu", weights_only=bool(weights_only))
+    """``meta.pt`` of the checkpoint directory ``path``, weights-only unless the user passed ``weights_only=False``
+    (Lightning's ``None`` included: torch loads weights only by default)."""
+    file = path / META_FILENAME
+    if not file.is_file():
+        raise DamagedCheckpointError(f"`{file}` is missing: the checkpoint is incomplete.")
+    meta = load_torch_file(file, weights_only)
+    if not isinstance(meta, dict):
+        raise DamagedCheckpointError(f"`{file}` holds a {type(meta).__name__}, not a Lightning checkpoint dict.")
+    return meta
 
 
 def write_meta(meta: dict[str, Any], path: Path) -> None:
@@ -65,11 +79,18 @@ def layout_of(meta: dict[str, Any]) -> dict[str, Any]:
 
 def resolve(path: Path) -> Path:
     """The checkpoint to read for ``path``: itself, or the old copy a replacing save left when it was interrupted."""
+    if path.name.endswith(TMP_SUFFIX):
+        raise FileNotFoundError(
+            f"`{path}` is a save that did not finish (it was interrupted, or it failed) and is never loaded. Load"
+            f" `{path.name[: -len(TMP_SUFFIX)]}` or an earlier checkpoint; delete this directory when no job is"
+            " saving to it."
+        )
     if path.exists():
         if path.is_dir() and not is_pipeline_checkpoint(path):
+            lacks = " and ".join(f"`{n}`" for n in (META_FILENAME, ".metadata") if not (path / n).is_file())
             raise FileNotFoundError(
-                f"`{path}` is a directory but not a complete lightning_pipe checkpoint: it lacks `{META_FILENAME}`"
-                " or DCP's `.metadata`. Pass the directory `ModelCheckpoint`/`trainer.save_checkpoint` wrote, e.g."
+                f"`{path}` is a directory but not a complete lightning_pipe checkpoint: it lacks {lacks}."
+                " Pass the directory `ModelCheckpoint`/`trainer.save_checkpoint` wrote, e.g."
                 " `.../checkpoints/epoch=0-step=100.ckpt`. Directories ending in"
                 f" `{TMP_SUFFIX}` are saves that were interrupted and cannot be loaded."
             )
@@ -81,11 +102,17 @@ def resolve(path: Path) -> Path:
             stacklevel=3,
         )
         return old
+    if sibling(path, TMP_SUFFIX).exists():
+        raise FileNotFoundError(
+            f"Checkpoint `{path}` does not exist: a save to it did not finish (`{sibling(path, TMP_SUFFIX).name}` is"
+            " what it left, and is never loaded). Load an earlier checkpoint."
+        )
     raise FileNotFoundError(f"Checkpoint `{path}` does not exist.")
 
 
 def commit(tmp: Path, path: Path) -> None:
-    """Move the finished ``tmp`` directory to ``path``, replacing what is there."""
+    """Move the finished ``tmp`` directory to ``path``, replacing what is there. If the move fails, a checkpoint
+    that was at ``path`` is put back."""
     old: Optional[Path] = None
     if path.is_symlink() or path.is_file():
         path.unlink()  # a link (``save_last="link"``) or a file written by another strategy
@@ -94,7 +121,12 @@ def commit(tmp: Path, path: Path) -> None:
         if old.exists():
             remove(old)
         path.rename(old)
-    tmp.rename(path)
+    try:
+        tmp.rename(path)
+    except BaseException:
+        if old is not None and not path.exists():
+            old.rename(path)
+        raise
     _fsync_dir(path.parent)
     if old is not None:
         shutil.rmtree(old)

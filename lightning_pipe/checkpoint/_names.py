@@ -21,9 +21,6 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 class CheckpointMismatchError(KeyError):
@@ -85,19 +82,6 @@ class ModelNames:
             merged.append(sorted(names, key=lambda n: order.get(n, len(order))))
         return merged
 
-    def optimizer_keys(self, model: nn.Module, flat: dict[str, Any], to_stored: bool) -> dict[str, Any]:
-        """A flattened optimizer state dict with its parameter names switched between the local names torch uses
-        (``to_stored=False``) and the first names a checkpoint stores (``to_stored=True``)."""
-        local = {n: self.first_name[id(p)] for n, p in model.named_parameters() if id(p) in self.first_name}
-        mapping = local if to_stored else {v: k for k, v in local.items()}
-        known = set(mapping)
-        out = {}
-        for key, value in flat.items():
-            section, _, rest = key.partition(".")
-            name, sub = split_name(rest, known)
-            out[f"{section}.{mapping[name]}.{sub}" if name is not None else key] = value
-        return out
-
 
 def split_name(rest: str, names: set[str]) -> tuple[Optional[str], str]:
     """Split ``"<parameter name>.<key>"`` at the dot that leaves a known parameter name on the left."""
@@ -118,14 +102,17 @@ def all_gather(obj: Any) -> list[Any]:
 
 
 # ---------------------------------------------------------------------------------------------------- optimizer state
-def optimizer_state_for_save(model: nn.Module, optimizer: torch.optim.Optimizer, names: ModelNames) -> dict[str, Any]:
-    """The flattened optimizer state dict, keyed by the first names of the parameters."""
-    if not optimizer.state and all(p.grad is None for g in optimizer.param_groups for p in g["params"]):
-        # Not stepped yet. `get_optimizer_state_dict` would initialise the state with a zero-lr step (Adam's step
-        # count would become 1 and change the run): save the hyper-parameters only.
-        return flat_param_groups(optimizer, names)
-    flat = get_optimizer_state_dict(model, optimizer, options=OPTIM_OPTIONS)
-    return names.optimizer_keys(model, flat, to_stored=True)
+def optimizer_state_for_save(optimizer: torch.optim.Optimizer, names: ModelNames) -> dict[str, Any]:
+    """The optimizer's state dict flattened and keyed by the parameters' first names: ``state.<name>.<key>`` (a
+    parameter without state, e.g. before the first step or frozen, has none) and ``param_groups.<name>.<key>``,
+    each parameter's group hyper-parameters. Nothing is initialised: an optimizer saved before its first step stays
+    fresh (Adam's bias correction depends on its step count)."""
+    flat = flat_param_groups(optimizer, names)
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            for key, value in optimizer.state.get(param, {}).items():
+                flat[f"state.{names.first_name[id(param)]}.{key}"] = value
+    return flat
 
 
 def flat_param_groups(optimizer: torch.optim.Optimizer, names: ModelNames) -> dict[str, Any]:
@@ -139,12 +126,29 @@ def flat_param_groups(optimizer: torch.optim.Optimizer, names: ModelNames) -> di
     }
 
 
+def group_representatives(
+    optimizer: torch.optim.Optimizer, names: ModelNames, merged: Optional[list[list[str]]]
+) -> list[Optional[str]]:
+    """For each parameter group, the name its hyper-parameters are stored under in a checkpoint: its first
+    parameter's, or, for a group without parameters on this rank, the first of the group over all ranks
+    (``merged``, from the checkpoint's ``meta.pt``)."""
+    reps: list[Optional[str]] = []
+    for g, group in enumerate(optimizer.param_groups):
+        if group["params"]:
+            reps.append(names.first_name[id(group["params"][0])])
+        else:
+            reps.append(merged[g][0] if merged is not None and g < len(merged) and merged[g] else None)
+    return reps
+
+
 def stored_group_keys(
-    optimizer: torch.optim.Optimizer, names: ModelNames, stored: Any, prefix: str
+    optimizer: torch.optim.Optimizer, names: ModelNames, stored: Any, prefix: str, reps: list[Optional[str]]
 ) -> dict[str, list[str]]:
-    """``{first name: [hyper-parameter keys]}`` the checkpoint holds (``stored`` keys under ``prefix``) for each of
-    this optimizer's parameters; a parameter it has nothing for gets its current keys (reported missing)."""
+    """``{name: [hyper-parameter keys]}`` the checkpoint holds (``stored`` keys under ``prefix``) for each of this
+    optimizer's parameters and group representatives; a name it has nothing for gets the group's current keys
+    (reported missing)."""
     local = {names.first_name[id(p)]: group for group in optimizer.param_groups for p in group["params"]}
+    local.update({rep: group for rep, group in zip(reps, optimizer.param_groups) if rep is not None})
     known = set(local)
     found: dict[str, list[str]] = {}
     for key in stored:
@@ -153,17 +157,69 @@ def stored_group_keys(
             if name is not None:
                 found.setdefault(name, []).append(sub)
     for name, group in local.items():
-        found.setdefault(name, [k for k in group if k != "params"])
+        found.setdefault(name, [k for k in group if k not in ("params", "param_names")])
     return found
 
 
-def replace_param_groups(optimizer: torch.optim.Optimizer, flat: dict[str, Any], names: ModelNames) -> None:
+def stored_state_keys(
+    optimizer: torch.optim.Optimizer, names: ModelNames, stored: Any, prefix: str
+) -> dict[str, list[str]]:
+    """``{name: [state keys]}`` the checkpoint holds (``stored`` keys under ``prefix``) for this optimizer's
+    parameters (``exp_avg``, ``step``; a nested value's keys are dotted)."""
+    known = {names.first_name[id(p)] for group in optimizer.param_groups for p in group["params"]}
+    found: dict[str, list[str]] = {}
+    for key in stored:
+        if key.startswith(prefix):
+            name, sub = split_name(key[len(prefix) :], known)
+            if name is not None:
+                found.setdefault(name, []).append(sub)
+    return found
+
+
+def load_flat_optimizer_state(
+    optimizer: torch.optim.Optimizer, flat: dict[str, Any], names: ModelNames, reps: list[Optional[str]]
+) -> None:
+    """Load a flattened, name-keyed optimizer state dict (``state.<name>.<key>`` and ``param_groups.<name>.<key>``,
+    this rank's parameters) the way ``Optimizer.load_state_dict`` loads one: every parameter's state is replaced
+    (a parameter without stored state gets none, frozen or not), and every group gets exactly the stored
+    hyper-parameters (``reps`` names where each group's are stored)."""
+    per_name: dict[str, dict[str, Any]] = {}
+    known = {names.first_name[id(p)] for group in optimizer.param_groups for p in group["params"]}
+    for key, value in flat.items():
+        section, _, rest = key.partition(".")
+        if section == "state":
+            name, sub = split_name(rest, known)
+            if name is not None:
+                _nest(per_name.setdefault(name, {}), sub.split("."), value)
+    state: dict[int, Any] = {}
+    groups = []
+    index = 0
+    for group in optimizer.param_groups:
+        numbers = []
+        for param in group["params"]:
+            entry = per_name.get(names.first_name[id(param)])
+            if entry:
+                state[index] = entry
+            numbers.append(index)
+            index += 1
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": numbers})
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+    replace_param_groups(optimizer, flat, reps)
+
+
+def _nest(target: dict[str, Any], path: list[str], value: Any) -> None:
+    for part in path[:-1]:
+        target = target.setdefault(part, {})
+    target[path[-1]] = value
+
+
+def replace_param_groups(optimizer: torch.optim.Optimizer, flat: dict[str, Any], reps: list[Optional[str]]) -> None:
     """Give every parameter group exactly the hyper-parameters ``flat`` holds for it, as ``Optimizer.load_state_dict``
     replaces the groups (keys added since the save, e.g. a scheduler's ``initial_lr``, go)."""
-    for group in optimizer.param_groups:
-        if not group["params"]:
+    for group, rep in zip(optimizer.param_groups, reps):
+        if rep is None:
             continue
-        prefix = f"param_groups.{names.first_name[id(group['params'][0])]}."
+        prefix = f"param_groups.{rep}."
         loaded = {k[len(prefix) :]: v for k, v in flat.items() if k.startswith(prefix)}
         for key in [k for k in group if k not in ("params", "param_names")]:
             del group[key]
