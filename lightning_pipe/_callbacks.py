@@ -82,6 +82,10 @@ def _prune_own_share(callback: ModelPruning, module: nn.Module, tied: set[int], 
     pairs = _compat.pruning_pairs(callback)
     own = [(i, m, n) for i, (m, n) in enumerate(pairs) if _registered(m, n) is not None]
     shared = [n for _, m, n in own if id(_registered(m, n)) in tied]
+    if dist.get_world_size(group) > 1:  # every rank raises, not only those holding a tie
+        every: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(every, shared, group=group)
+        shared = sorted({n for names in every for n in names})
     if shared:
         raise ValueError(
             f"`ModelPruning` would prune parameters that are tied or shared ({shared[:4]}): the pipeline holds a copy"

@@ -48,6 +48,10 @@ Lightning (checked against 2.6.6):
 
 torch (checked against 2.13.0, 2.14.1 and 2.15.0; ``pyproject.toml`` pins ``<2.16``):
 
+- ``torch.distributed.ProcessGroupGloo._Options`` and the backend options' ``_timeout``: the only way to give the
+  device mesh's sub-groups the strategy's ``timeout`` (``init_device_mesh`` otherwise creates them with 30 minutes;
+  :func:`mesh_group_options`).
+
 - ``torch._subclasses.fake_tensor.FakeTensorMode``: the only way to run a module on fake tensors, to infer stage
   output shapes without computing.
 - ``torch.distributed.checkpoint.default_planner._EmptyStateDictLoadPlanner`` and
@@ -91,6 +95,7 @@ from contextlib import contextmanager
 from typing import Any, Callable, Optional
 
 import torch
+import torch.distributed as dist
 
 # ---------------------------------------------------------------------------------------------------- Lightning
 
@@ -103,6 +108,35 @@ def init_process_group(cluster_environment: Any, backend: str, timeout: Any, dev
     device_id = device if device.type != "cpu" else None
     _init_dist_connection(cluster_environment, backend, timeout=timeout, device_id=device_id)
     _destroy_process_groups_at_exit()
+
+
+def mesh_group_options(sizes: dict[str, int], world_size: int, backend: str, timeout: Any) -> dict[str, Any]:
+    """``init_device_mesh(backend_override=...)`` that gives every sub-group of the mesh the default group's timeout.
+
+    ``init_device_mesh`` creates a mesh dimension's groups with the timeout of its backend options, and without
+    options with ``new_group``'s default (30 minutes), not the default group's: ``PipelineStrategy(timeout=...)``
+    would not reach the pipeline groups when there are several replicas. A dimension that spans every process
+    reuses the default group (which has the timeout) and gets no override, which would make torch create a copy.
+    Backend options are private to torch: ``ProcessGroupGloo._Options`` and the ``_timeout`` attribute.
+    """
+    if timeout is None:
+        return {}
+    if backend == "gloo":
+        options_class = getattr(dist.ProcessGroupGloo, "_Options", None)
+    elif backend == "nccl" and hasattr(dist, "ProcessGroupNCCL"):
+        options_class = dist.ProcessGroupNCCL.Options
+    else:
+        options_class = None
+    if options_class is None:
+        return {}
+    overrides = {}
+    for name, size in sizes.items():
+        if size == world_size:
+            continue
+        options = options_class()
+        options._timeout = timeout
+        overrides[name] = (backend, options)
+    return overrides
 
 
 _exit_hook_registered = False

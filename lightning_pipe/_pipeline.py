@@ -34,7 +34,7 @@ from torch.distributed.pipelining.schedules import (
 )
 from torch.utils._pytree import tree_leaves
 
-from lightning_pipe import _compat
+from lightning_pipe import _compat, _watchdog
 from lightning_pipe._program import StepProgram
 from lightning_pipe.partition import StageLayout
 from lightning_pipe.schedules import ScheduleSpec
@@ -133,7 +133,7 @@ class StagePipeline:
         self._loss_fn = loss_fn
         try:
             traced = timeline.trace(schedule) if timeline is not None else nullcontext()
-            with self._dropped_if_it_fails(schedule), traced:
+            with self._dropped_if_it_fails(schedule), traced, _watchdog.waiting(lambda: self._transfers("training")):
                 schedule.step(*self._first_input(rows), target=rows, lp_rows=rows, return_outputs=False)
         finally:
             self._loss_fn = None
@@ -142,7 +142,7 @@ class StagePipeline:
         """Forward-only pass of one batch. Returns the merged last-stage output on the last stage, else ``None``."""
         schedule = self._schedule_for(sample, batch_size, num_microbatches, training=False)
         rows = torch.arange(batch_size, device=self.device)
-        with self._dropped_if_it_fails(schedule):
+        with self._dropped_if_it_fails(schedule), _watchdog.waiting(lambda: self._transfers("evaluation")):
             output = schedule.eval(*self._first_input(rows), lp_rows=rows)
         return output if self.has_last_stage else None
 
@@ -162,6 +162,24 @@ class StagePipeline:
         except BaseException:
             self._schedules = {key: kept for key, kept in self._schedules.items() if kept is not schedule}
             raise
+
+    def _transfers(self, step: str) -> str:
+        """What this rank waits for inside a schedule step, for the watchdog's stall report."""
+        layout, parts = self.layout, []
+        for stage in layout.rank_stages(self.pipeline_rank):
+            sources = []
+            if stage > 0:
+                sources.append(f"its input from stage {stage - 1} on pipeline rank {layout.stage_rank(stage - 1)}")
+            if step == "training" and stage < layout.num_stages - 1:
+                sources.append(
+                    f"its output's gradient from stage {stage + 1} on pipeline rank {layout.stage_rank(stage + 1)}"
+                )
+            parts.append(f"stage {stage} ({' and '.join(sources) or 'nothing to receive'})")
+        return (
+            f"a {step} step to finish on pipeline rank {self.pipeline_rank} ({'; '.join(parts)}): if the stack below"
+            " is in a transfer (`_wait_batch_p2p`), this rank waits for the one named; otherwise its own computation"
+            " takes that long"
+        )
 
     def _first_input(self, rows: torch.Tensor) -> tuple:
         return (rows,) if self.has_first_stage else ()
@@ -248,7 +266,12 @@ class StagePipeline:
                 out_meta = self.probe(stage, sample_rows, in_meta if stage > 0 else None)
             if self.layout.pipeline_size > 1 and stage < self.layout.num_stages - 1:
                 box = [out_meta]
-                dist.broadcast_object_list(box, group_src=owner, group=self.group)
+                what = (
+                    f"the output shape of stage {stage} from pipeline rank {owner} (the stage-shape exchange before the"
+                    f" first step with {rows}-row microbatches; this is pipeline rank {self.pipeline_rank})"
+                )
+                with _watchdog.waiting(lambda what=what: what):
+                    dist.broadcast_object_list(box, group_src=owner, group=self.group)
                 out_meta = box[0]
             if owner == self.pipeline_rank:
                 assert out_meta is not None

@@ -37,9 +37,11 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 
+from lightning_pipe import _watchdog
 from lightning_pipe import timeline as _timeline
 from lightning_pipe._callbacks import align_param_groups
 from lightning_pipe._cut import Cut
+from lightning_pipe._fingerprint import differs, fingerprint
 from lightning_pipe._ghost import Ghost, GhostValueError, contains_ghost
 from lightning_pipe._logging import LogChannel, LogRecorder, replay
 from lightning_pipe._metrics import metrics_set_aside, module_metrics, per_batch_metrics
@@ -139,6 +141,8 @@ class PipelineRuntime:
         checkpointed: which blocks run under activation checkpointing.
         amp_scaler: the precision plugin's ``GradScaler``, if any: the microbatch losses are scaled by it.
         timeline: what ``timeline=`` traces, or ``None``.
+        check_data_every: compare the batch's fingerprint over the pipeline on the first 3 batches of training and
+            of evaluation, and on every ``check_data_every``-th after (:meth:`_check_same_data`); ``None``: never.
     """
 
     def __init__(
@@ -154,8 +158,11 @@ class PipelineRuntime:
         checkpointed: Callable[[nn.Module], bool],
         amp_scaler: Any = None,
         timeline: Optional[_timeline.TimelineOptions] = None,
+        check_data_every: Optional[int] = None,
     ) -> None:
         self.module = module
+        self.check_data_every = check_data_every
+        self._batches_checked = {"training": 0, "evaluation": 0}
         self.cut = cut
         self.schedule = schedule
         self.microbatches = microbatches
@@ -197,6 +204,7 @@ class PipelineRuntime:
         kept aside until :meth:`Gradients.hand_back`."""
         module, program, pipeline = self.module, self.program, self.pipeline
         self._check_trainable()
+        self._check_same_data("training", batch, rest, kwargs)
         step = module.training_step
         batch_size = program.batch_size_of(step, batch, *rest, **kwargs)
         num_microbatches = self.microbatches.for_batch(batch_size)
@@ -228,7 +236,8 @@ class PipelineRuntime:
         payload = None
         if pipeline.has_last_stage:
             payload = (torch.stack(losses).mean(), recorder.reduce(module, metrics))
-        loss, entries = self._train_channel.share(payload)
+        with self._waiting_for_last_stage():
+            loss, entries = self._train_channel.share(payload)
         replay(module, entries, self.device, self.dp_group)
         if tracer is not None:
             self._report_timeline(tracer)
@@ -240,6 +249,7 @@ class PipelineRuntime:
         every rank."""
         module, program, pipeline = self.module, self.program, self.pipeline
         batch, *rest = args
+        self._check_same_data("evaluation", batch, rest, kwargs)
         batch_size = program.batch_size_of(step, *args, **kwargs)
         num_microbatches = self.microbatches.for_batch(batch_size)
         program.set_batch(step, batch, batch_size, *rest, **kwargs)
@@ -254,7 +264,8 @@ class PipelineRuntime:
             if contains_ghost(result):
                 raise _ghost_result(step)
             payload = (result, recorder.reduce(module))
-        result, entries = self._eval_channel.share(payload)
+        with self._waiting_for_last_stage():
+            result, entries = self._eval_channel.share(payload)
         replay(module, entries, self.device, self.dp_group)
         return apply_to_collection(result, Tensor, lambda t: t.to(self.device))
 
@@ -299,13 +310,42 @@ class PipelineRuntime:
         self._trainable_checked = epoch
         align_param_groups(trainer.optimizers, self.pipeline.group, self.device)
         count = torch.tensor([float(len(self.gradients.trainable()))], device=self.device)
-        dist.all_reduce(count, group=self.pipeline.group)
+        with _watchdog.waiting(lambda: "the other pipeline ranks at the epoch's start (counting trainable parameters)"):
+            dist.all_reduce(count, group=self.pipeline.group)
         if count.item() == 0:
             raise RuntimeError(
                 "element 0 of tensors does not require grad and does not have a grad_fn (PipelineStrategy: no"
                 " parameter of any pipeline stage requires a gradient, so the loss has nothing to train. Unfreeze"
                 " some parameters, or run `trainer.validate` instead of `fit`.)"
             )
+
+    def _waiting_for_last_stage(self) -> Any:
+        rank = self.pipeline.last_stage_rank
+        return _watchdog.waiting(lambda: f"the step's loss and logs from the last stage (pipeline rank {rank})")
+
+    def _check_same_data(self, kind: str, batch: Any, rest: Sequence[Any], kwargs: dict[str, Any]) -> None:
+        """Fail on every rank if the stages of this pipeline were not given the same batch.
+
+        Every stage loads its own data; a loader whose order depends on the process (a sampler or generator seeded
+        per process, an iterable dataset with per-process state, random augmentation) feeds the stages different
+        samples, and the pipeline would train on a mix of them without any error. The first 3 batches of training
+        and of evaluation and every ``check_data_every``-th after are compared: a fingerprint (shapes, values, row
+        order; :mod:`~lightning_pipe._fingerprint`) and one small all-reduce over the pipeline group.
+        """
+        every, group = self.check_data_every, self.pipeline.group
+        if every is None or self.layout.pipeline_size == 1:
+            return
+        count = self._batches_checked[kind]
+        self._batches_checked[kind] = count + 1
+        if count >= 3 and count % every:
+            return
+        words = fingerprint((batch, list(rest), kwargs), self.device)
+        with _watchdog.waiting(lambda: "the other pipeline ranks' batch fingerprints (the same-data check)"):
+            if not differs(words, group):
+                return
+        gathered = [torch.empty_like(words) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(gathered, words, group=group)
+        raise RuntimeError(_different_data_message(kind, count, gathered, self.layout))
 
     def _sync_buffers(self) -> None:
         """With several replicas, start each batch from replica 0's buffers (BatchNorm statistics), as DDP does."""
@@ -372,3 +412,26 @@ def _ghost_result(step: Callable[..., Any]) -> Exception:
         f"`{name}` returns values the last pipeline stage does not compute (from before the backbone, or from a block"
         " other than the last). Return values computed from the backbone's output and the batch."
     )
+
+
+def _different_data_message(kind: str, index: int, words: list[Tensor], layout: StageLayout) -> str:
+    """Which pipeline ranks got another batch than pipeline rank 0, in what, and the usual causes and fixes."""
+    aspects = ("structure (nesting, keys, shapes, dtypes)", "values", "row order")
+    others = []
+    for rank, mine in enumerate(words[1:], start=1):
+        unequal = [aspects[i] for i in range(3) if mine[i] != words[0][i]]
+        if unequal:
+            stages = ", ".join(str(s) for s in layout.rank_stages(rank))
+            others.append(f"pipeline rank {rank} (stage {stages}) differs in its {' and '.join(unequal)}")
+    return (
+        f"PipelineStrategy: the stages of one pipeline were given different {kind} batches (batch {index} of this"
+        f" run): compared with pipeline rank 0 (stage {layout.rank_stages(0)[0]}), " + "; ".join(others) + "."
+        " Every stage loads the data itself, so every process of a pipeline must draw the same batches in the same"
+        " order. Usual causes: a sampler, `generator` or `worker_init_fn` seeded per process (seed it the same on"
+        " every rank, e.g. `DataLoader(..., generator=torch.Generator().manual_seed(0))`); an `IterableDataset`"
+        " that shards or shuffles by global rank (shard by `trainer.strategy.data_parallel_rank` and"
+        " `data_parallel_size` instead: the stages of one pipeline share a data-parallel rank); random augmentation"
+        " drawn from each process's random state (draw it from a generator seeded per data-parallel rank)."
+        " `PipelineStrategy(check_data_every_n_batches=None)` turns this check off."
+    )
+

@@ -37,7 +37,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 from typing_extensions import override
 
-from lightning_pipe import _callbacks, _compat, _stage
+from lightning_pipe import _callbacks, _compat, _stage, _watchdog
 from lightning_pipe._cut import Cut, drop_ghosts
 from lightning_pipe._microbatches import MicrobatchPolicy
 from lightning_pipe._precision import PipelinePrecision, pipeline_precision
@@ -74,6 +74,8 @@ class _Options:
     balance: Union[str, list[int]]
     activation_checkpointing: Any
     timeline: Optional[TimelineOptions]
+    stall_after: Optional[float]  # seconds
+    check_data_every: Optional[int]
 
 
 class PipelineStrategy(ParallelStrategy):
@@ -128,7 +130,16 @@ class PipelineStrategy(ParallelStrategy):
             strategy runs a copy of it that clips gradients by the norm over the whole pipeline and makes every
             rank agree on skipping a step whose fp16 gradients overflowed.
         process_group_backend: ``"gloo"`` on CPU and ``"nccl"`` on GPU unless given.
-        timeout: how long a collective or point-to-point transfer may wait before the job fails.
+        timeout: how long a collective or point-to-point transfer may wait before the job fails (every process
+            group of the mesh, the pipeline's included).
+        stall_timeout: how long a rank may wait for another stage (the shape exchange before the first step, a
+            step's activations and gradients, the logged values from the last stage) before it says on stderr which
+            stage waits for what from which rank, with its stack. Only a report: the job fails when ``timeout`` runs
+            out. Seconds or a ``timedelta``; ``None``: never. SIGTERM and SIGINT end every rank within about 10 s
+            even while it is blocked in a transfer (see ``docs/reliability.md``).
+        check_data_every_n_batches: every stage of a pipeline loads its own data, so the stages compare a
+            fingerprint of the batch (shapes, values, order) on the first 3 batches of each run and then on every
+            n-th; a mismatch fails on every rank, naming the likely cause. ``None`` turns the check off.
         timeline: trace one training step to see where the pipeline waits. ``True``: the first batch of
             ``global_step`` 1 (step 0 also sets the schedule up); an int: of that step; a directory; or a dict or
             :class:`~lightning_pipe.timeline.TimelineOptions` with ``step``, ``dirpath``, ``png``. Global rank 0
@@ -157,6 +168,8 @@ class PipelineStrategy(ParallelStrategy):
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         timeline: Union[None, bool, int, str, dict, TimelineOptions] = None,
+        stall_timeout: Union[None, float, timedelta] = timedelta(minutes=5),
+        check_data_every_n_batches: Optional[int] = 100,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -167,7 +180,7 @@ class PipelineStrategy(ParallelStrategy):
         )
         self._options = _validated_options(
             pipeline_parallel_size, data_parallel_size, num_microbatches, schedule, stages_per_rank, backbone, balance,
-            activation_checkpointing, timeline,
+            activation_checkpointing, timeline, stall_timeout, check_data_every_n_batches,
         )
         self._process_group_backend = process_group_backend
         self._timeout = timeout
@@ -286,10 +299,22 @@ class PipelineStrategy(ParallelStrategy):
             # `test` on one Trainer and refuses another group object for the same key.
             options = self._options
             pp, dp = resolve_sizes(options.pipeline_parallel_size, options.data_parallel_size, self.world_size)
-            self._device_mesh = init_device_mesh(self.root_device.type, (dp, pp), mesh_dim_names=("dp", "pp"))
+            self._device_mesh = init_device_mesh(
+                self.root_device.type, (dp, pp), mesh_dim_names=("dp", "pp"),
+                backend_override=_compat.mesh_group_options(
+                    {"dp": dp, "pp": pp}, self.world_size, self._process_group_backend, self._timeout
+                ),
+            )
             log.debug("rank %d: mesh dp=%d x pp=%d, pipeline rank %d", self.global_rank, dp, pp, self.pipeline_rank)
         assert self.lightning_module is not None
         _compat.set_device_mesh(self.lightning_module, self._device_mesh)
+        _watchdog.start(self.global_rank, self._launched_processes, self._options.stall_after)
+
+    def _launched_processes(self) -> list[Any]:
+        launcher = self.launcher
+        if isinstance(launcher, _compat.subprocess_launcher_class()):
+            return list(launcher.procs)
+        return []
 
     def _setup_distributed(self) -> None:
         reset_seed()
@@ -343,6 +368,7 @@ class PipelineStrategy(ParallelStrategy):
             module, cut, options.schedule, microbatches, mesh.get_group("pp"), mesh.get_group("dp"), ties, device,
             _stage.checkpointed_blocks(options.activation_checkpointing),
             amp_scaler=getattr(self.precision_plugin, "scaler", None), timeline=options.timeline,
+            check_data_every=options.check_data_every,
         )
         assert isinstance(self.precision_plugin, PipelinePrecision)
         counted_once = {id(p) for group, params in ties for p in params if dist.get_rank(group) != 0}
@@ -472,17 +498,19 @@ class PipelineStrategy(ParallelStrategy):
     def barrier(self, name: Optional[str] = None) -> None:
         if not _compat.distributed_is_initialized():
             return
-        if dist.get_backend() == "nccl":
-            dist.barrier(device_ids=[self.root_device.index])
-        else:
-            dist.barrier()
+        with _watchdog.waiting(lambda: f"every rank to reach the barrier {name or ''}".rstrip()):
+            if dist.get_backend() == "nccl":
+                dist.barrier(device_ids=[self.root_device.index])
+            else:
+                dist.barrier()
 
     @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
         if not _compat.distributed_is_initialized():
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src, group=_group.WORLD)
+        with _watchdog.waiting(lambda: f"a broadcast from rank {src} (Lightning's `strategy.broadcast`)"):
+            dist.broadcast_object_list(box, src, group=_group.WORLD)
         return box[0]
 
     @override
@@ -568,6 +596,7 @@ class PipelineStrategy(ParallelStrategy):
             if not self._failed:
                 self._runtime.drain()
         self._failed = False
+        _watchdog.stop()
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
@@ -592,6 +621,8 @@ def _validated_options(
     balance: Any,
     activation_checkpointing: Any,
     timeline: Any,
+    stall_timeout: Any = None,
+    check_data_every_n_batches: Any = None,
 ) -> _Options:
     """Check the constructor's arguments (raising ``ValueError`` that names the fix) and resolve ``"auto"`` where
     it does not depend on the processes."""
@@ -622,9 +653,22 @@ def _validated_options(
             f"`PipelineStrategy(schedule={spec.name!r})` places exactly 2 stages per process;"
             f" set `stages_per_rank=2` (got {stages_per_rank})."
         )
+    stall_after = stall_timeout.total_seconds() if isinstance(stall_timeout, timedelta) else stall_timeout
+    if stall_after is not None and (isinstance(stall_after, bool) or not isinstance(stall_after, (int, float))
+                                    or stall_after <= 0):
+        raise ValueError(
+            f"`PipelineStrategy(stall_timeout={stall_timeout!r})` must be a positive number of seconds, a `timedelta`,"
+            " or None (no report)."
+        )
+    every = check_data_every_n_batches
+    if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+        raise ValueError(
+            f"`PipelineStrategy(check_data_every_n_batches={every!r})` must be a positive integer, or None to turn the"
+            " check off."
+        )
     return _Options(
         pipeline_parallel_size, data_parallel_size, num_microbatches, spec, stages_per_rank, backbone, balance,
-        activation_checkpointing, TimelineOptions.resolve(timeline),
+        activation_checkpointing, TimelineOptions.resolve(timeline), stall_after, every,
     )
 
 
