@@ -5,9 +5,10 @@ module holds that bookkeeping:
 
 - names (:class:`ModelNames`): the whole model's state-dict keys and parameter names, fixed before the split, and
   the first name of a tensor that has several (stored once);
-- optimizer state: what is saved for an optimizer (its flattened, name-keyed state dict, or only its
-  hyper-parameters before the first step), restoring those hyper-parameters, and giving an optimizer its part of a
-  single-device ``torch.optim`` state dict.
+- optimizer state: what is saved for an optimizer (its state dict flattened and keyed by parameter name: the
+  per-parameter state, empty before the first step, and every parameter group's hyper-parameters), and loading it
+  back exactly, by building a ``torch.optim`` state dict for this rank's parameters from the stored keys (an
+  unstepped optimizer included), or giving an optimizer its part of a single-device state dict.
 
 :class:`CheckpointMismatchError` is defined here and exported by :mod:`lightning_pipe.checkpoint`.
 """
@@ -149,13 +150,7 @@ def stored_group_keys(
     (reported missing)."""
     local = {names.first_name[id(p)]: group for group in optimizer.param_groups for p in group["params"]}
     local.update({rep: group for rep, group in zip(reps, optimizer.param_groups) if rep is not None})
-    known = set(local)
-    found: dict[str, list[str]] = {}
-    for key in stored:
-        if key.startswith(prefix):
-            name, sub = split_name(key[len(prefix) :], known)
-            if name is not None:
-                found.setdefault(name, []).append(sub)
+    found = _keys_by_name(stored, prefix, set(local))
     for name, group in local.items():
         found.setdefault(name, [k for k in group if k not in ("params", "param_names")])
     return found
@@ -167,6 +162,11 @@ def stored_state_keys(
     """``{name: [state keys]}`` the checkpoint holds (``stored`` keys under ``prefix``) for this optimizer's
     parameters (``exp_avg``, ``step``; a nested value's keys are dotted)."""
     known = {names.first_name[id(p)] for group in optimizer.param_groups for p in group["params"]}
+    return _keys_by_name(stored, prefix, known)
+
+
+def _keys_by_name(stored: Any, prefix: str, known: set[str]) -> dict[str, list[str]]:
+    """``{name: [sub-keys]}`` of the ``stored`` keys under ``prefix`` that belong to one of the ``known`` names."""
     found: dict[str, list[str]] = {}
     for key in stored:
         if key.startswith(prefix):
