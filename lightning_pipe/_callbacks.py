@@ -49,7 +49,9 @@ AVERAGE_MODEL_STATE = "average_model_state"
 
 
 # ------------------------------------------------------------------------------------------------ after the cut
-def after_cut(callbacks: list[Any], module: nn.Module, *, tied: set[int], group: dist.ProcessGroup) -> None:
+def after_cut(
+    callbacks: list[Any], module: nn.Module, *, tied: set[int], group: dist.ProcessGroup, device: torch.device
+) -> None:
     """Retake what callbacks took from the whole module in ``setup``, now from this rank's share.
 
     Called on every rank right after the cut and the materialisation of the rank's tensors, before the precision
@@ -69,7 +71,7 @@ def after_cut(callbacks: list[Any], module: nn.Module, *, tied: set[int], group:
                 device = next(iter(old.parameters()), torch.empty(0)).device
                 _compat.set_swa_average_model(callback, _compat.averaged_model_like(callback, module, device))
         elif isinstance(callback, ModelPruning):
-            _prune_own_share(callback, module, tied, group)
+            _prune_own_share(callback, module, tied, group, device)
 
 
 def _copy_on_cpu(module: nn.Module) -> nn.Module:
@@ -78,7 +80,9 @@ def _copy_on_cpu(module: nn.Module) -> nn.Module:
     return copy.to("cpu") if any(t.device.type != "cpu" for t in copy.state_dict().values()) else copy
 
 
-def _prune_own_share(callback: ModelPruning, module: nn.Module, tied: set[int], group: dist.ProcessGroup) -> None:
+def _prune_own_share(
+    callback: ModelPruning, module: nn.Module, tied: set[int], group: dist.ProcessGroup, device: torch.device
+) -> None:
     pairs = _compat.pruning_pairs(callback)
     own = [(i, m, n) for i, (m, n) in enumerate(pairs) if _registered(m, n) is not None]
     shared = [n for _, m, n in own if id(_registered(m, n)) in tied]
@@ -112,7 +116,7 @@ def _prune_own_share(callback: ModelPruning, module: nn.Module, tied: set[int], 
             )
 
         def apply(amount: Any, _callback: ModelPruning = callback) -> None:
-            global_l1_unstructured(_compat.pruning_pairs(_callback), amount, group)
+            global_l1_unstructured(_compat.pruning_pairs(_callback), amount, group, device)
 
         _compat.set_global_pruning(callback, apply)
 
@@ -124,15 +128,16 @@ def _registered(module: nn.Module, name: str) -> Optional[nn.Parameter]:
     return value if isinstance(value, nn.Parameter) else None
 
 
-def global_l1_unstructured(pairs: list[tuple[nn.Module, str]], amount: Any, group: dist.ProcessGroup) -> None:
+def global_l1_unstructured(
+    pairs: list[tuple[nn.Module, str]], amount: Any, group: dist.ProcessGroup, device: torch.device
+) -> None:
     """``torch.nn.utils.prune.global_unstructured(pairs, L1Unstructured, amount=amount)`` over the pairs of every
     rank of ``group``: the same threshold as over the whole model, found without gathering the weights.
 
     The entries still unpruned are ranked by ``|w|``. Non-negative floats order like the integers of their bit
     patterns, so the ``k``-th smallest is found by bisection on those integers, one scalar all-reduce per step
     (at most 64). Entries equal to the threshold are pruned in rank order (torch's ``topk`` breaks such ties in an
-    unspecified order)."""
-    device = _device_of(pairs)
+    unspecified order). ``device``: where the group's collectives run (a rank may hold no pair at all)."""
     scores = [getattr(m, n).detach().reshape(-1) for m, n in pairs]
     masks = [getattr(m, f"{n}_mask", None) for m, n in pairs]
     masks = [torch.ones_like(s) if k is None else k.reshape(-1).to(s.dtype) for s, k in zip(scores, masks)]
@@ -177,21 +182,18 @@ def global_l1_unstructured(pairs: list[tuple[nn.Module, str]], amount: Any, grou
         offset += score.numel()
 
 
-def _device_of(pairs: list[tuple[nn.Module, str]]) -> torch.device:
-    for module, name in pairs:
-        return getattr(module, name).device
-    return torch.device("cpu")
-
-
 # ------------------------------------------------------------------------------------------------ optimizers
-def align_param_groups(optimizers: list[torch.optim.Optimizer], group: dist.ProcessGroup, device: torch.device) -> None:
+def align_param_groups(
+    optimizers: list[torch.optim.Optimizer], group: dist.ProcessGroup, device: torch.device, callbacks: list[Any] = ()
+) -> None:
     """Give every rank of the pipeline the same number of parameter groups per optimizer.
 
     ``BaseFinetuning.unfreeze_and_add_param_group`` adds a group only where the rank holds some of its parameters;
     the ranks without them get the group, empty, with the same hyper-parameters (torch steps an empty group as
     nothing). A checkpoint then merges the groups by position, ``LearningRateMonitor`` logs what one process logs,
-    and the callback's later changes to the last group land on the same group everywhere. One small all-reduce; the
-    hyper-parameters are only exchanged when the counts differ."""
+    and the callback's later changes to the last group land on the same group everywhere. The ``BaseFinetuning``
+    callbacks among ``callbacks`` record the empty group too, so that their stored groups keep the same positions on
+    every rank. One small all-reduce; the hyper-parameters are only exchanged when the counts differ."""
     if not optimizers or dist.get_world_size(group) == 1:
         return
     counts = torch.tensor([len(o.param_groups) for o in optimizers], dtype=torch.int64, device=device)
@@ -207,7 +209,13 @@ def align_param_groups(optimizers: list[torch.optim.Optimizer], group: dist.Proc
     for idx, optimizer in enumerate(optimizers):
         longest = max((per_rank[idx] for per_rank in gathered), key=len)
         for extra in longest[len(optimizer.param_groups) :]:
-            optimizer.add_param_group({**extra, "params": []})
+            empty = {**extra, "params": []}
+            if "param_names" in optimizer.param_groups[0]:  # torch refuses to mix named and unnamed groups
+                empty["param_names"] = []
+            optimizer.add_param_group(empty)
+            for callback in callbacks:
+                if isinstance(callback, BaseFinetuning):
+                    _compat.finetuning_metadata(callback).get(idx, []).append({**extra, "params": []})
     log.debug("aligned parameter groups: %s", [len(o.param_groups) for o in optimizers])
 
 

@@ -36,7 +36,9 @@ Lightning (checked against 2.6.6):
   ``_use_global_unstructured`` and its ``_apply_global_pruning`` method (replaced per instance by the pipeline-wide
   L1 threshold). Restoring state that one process restores before ``on_fit_start`` (the pipeline restores after it,
   ``restore_checkpoint_after_setup``): ``StochasticWeightAveraging._clear_schedulers`` (what its ``on_fit_start``
-  does with a restored scheduler state) and ``BaseFinetuning._restarting`` (its ``on_fit_start`` consumed it).
+  does with a restored scheduler state) and ``BaseFinetuning._restarting`` (its ``on_fit_start`` consumed it);
+  ``BaseFinetuning._internal_optimizer_metadata``: the empty groups the pipeline adds are recorded there too, so
+  that the stored groups keep their positions on every rank.
 - ``Trainer._accelerator_connector.use_distributed_sampler`` and
   ``lightning.pytorch.utilities.data._update_dataloader``: with one pipeline (no data parallelism) Lightning would
   still put a shuffling ``DistributedSampler`` on the training loader; the strategy turns that off and gives a
@@ -116,8 +118,9 @@ def mesh_group_options(sizes: dict[str, int], world_size: int, backend: str, tim
     ``init_device_mesh`` creates a mesh dimension's groups with the timeout of its backend options, and without
     options with ``new_group``'s default (30 minutes), not the default group's: ``PipelineStrategy(timeout=...)``
     would not reach the pipeline groups when there are several replicas. A dimension that spans every process
-    reuses the default group (which has the timeout) and gets no override, which would make torch create a copy.
-    Backend options are private to torch: ``ProcessGroupGloo._Options`` and the ``_timeout`` attribute.
+    reuses the default group (which has the timeout) and gets no override, which would make torch create a copy;
+    but gloo on a machine with CUDA, for which torch creates a new group anyway. Backend options are private to
+    torch: ``ProcessGroupGloo._Options`` and the ``_timeout`` attribute.
     """
     if timeout is None:
         return {}
@@ -131,7 +134,8 @@ def mesh_group_options(sizes: dict[str, int], world_size: int, backend: str, tim
         return {}
     overrides = {}
     for name, size in sizes.items():
-        if size == world_size:
+        # torch reuses the default group for such a dimension, except for gloo on a machine with CUDA
+        if size == world_size and not (backend == "gloo" and torch.cuda.is_available()):
             continue
         options = options_class()
         options._timeout = timeout
@@ -271,6 +275,11 @@ def averaged_model_like(callback: Any, module: Any, device: torch.device) -> Any
 
 def swa_clear_schedulers(callback: Any, trainer: Any) -> None:
     callback._clear_schedulers(trainer)
+
+
+def finetuning_metadata(callback: Any) -> dict[int, list[dict[str, Any]]]:
+    """``BaseFinetuning``'s stored parameter groups per optimizer index (by parameter name), what it saves."""
+    return callback._internal_optimizer_metadata
 
 
 def finetuning_restored(callback: Any) -> None:

@@ -48,7 +48,7 @@ def fingerprint(batch: Any, device: torch.device) -> torch.Tensor:
             if leaf.numel() == 0:
                 continue
             flat = leaf.detach().reshape(-1)
-            sample = _bits(flat[:: max(1, flat.numel() // _MAX_ELEMENTS)])
+            sample = _bits(flat[:: -(-flat.numel() // _MAX_ELEMENTS)])  # at most _MAX_ELEMENTS
             weights = torch.arange(sample.numel(), device=sample.device) % _PRIME + 1
             content += (sample * weights).sum().to(device)
             if leaf.dim() >= 1:
@@ -64,12 +64,13 @@ def fingerprint(batch: Any, device: torch.device) -> torch.Tensor:
 
 
 def differs(words: torch.Tensor, group: dist.ProcessGroup) -> bool:
-    """Whether some rank of ``group`` holds other ``words``: one ``all_reduce(MAX)`` of ``[words, -words]``. The
-    answer is the same on every rank."""
-    both = torch.cat([words, -words])
+    """Whether some rank of ``group`` holds other ``words``: one ``all_reduce(MAX)`` of ``[words, ~words]``
+    (``max(~w) == ~min(w)``, without the overflow of negating the smallest int64). The answer is the same on every
+    rank."""
+    both = torch.cat([words, torch.bitwise_not(words)])
     dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
     n = words.numel()
-    return not torch.equal(both[:n], -both[n:])
+    return not torch.equal(both[:n], torch.bitwise_not(both[n:]))
 
 
 def _leaves(obj: Any, path: str) -> Iterator[tuple[str, Any]]:

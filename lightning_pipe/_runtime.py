@@ -308,7 +308,7 @@ class PipelineRuntime:
         if self._trainable_checked == epoch:
             return
         self._trainable_checked = epoch
-        align_param_groups(trainer.optimizers, self.pipeline.group, self.device)
+        align_param_groups(trainer.optimizers, self.pipeline.group, self.device, trainer.callbacks)
         count = torch.tensor([float(len(self.gradients.trainable()))], device=self.device)
         with _watchdog.waiting(lambda: "the other pipeline ranks at the epoch's start (counting trainable parameters)"):
             dist.all_reduce(count, group=self.pipeline.group)

@@ -8,7 +8,8 @@ Python handler replaced the default action, the signal does nothing at all. The 
 and writes the signal number to the file descriptor given to :func:`signal.set_wakeup_fd`. The watchdog thread
 blocks on that descriptor (a blocked transfer releases the GIL, so the thread runs) and:
 
-1. forwards SIGTERM/SIGINT to the ranks this process launched, as Lightning's handler would;
+1. forwards SIGTERM/SIGINT to the ranks this process launched (Lightning's SIGTERM handler would do so for
+   SIGTERM);
 2. says on stderr what the rank was waiting for;
 3. if the process has not ended by itself within :data:`SIGNAL_GRACE_S` seconds (Lightning's own path, which stops
    at the next batch and may save a SLURM requeue checkpoint, gets that long when the main thread is responsive),
@@ -130,37 +131,44 @@ class Watchdog:
 
     # ------------------------------------------------------------------------------------------------ the thread
     def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._tick()
+            except Exception as err:  # the thread must outlive anything that goes wrong in one round
+                log.debug("watchdog: %r", err)
+                time.sleep(_POLL_S)
+
+    def _tick(self) -> None:
         assert self._sockets is not None
         reader = self._sockets[0]
-        while not self._stop.is_set():
-            ready, _, _ = select.select([reader], [], [], _POLL_S)
-            if ready:
-                try:
-                    data = reader.recv(64)
-                except (BlockingIOError, OSError):
-                    data = b""
-                for signum in data:
-                    if self._old_fd != -1:  # whoever had the wakeup descriptor before keeps being told
-                        try:
-                            os.write(self._old_fd, bytes([signum]))
-                        except OSError:
-                            pass
-                    if signum in _SIGNALS and self._signalled_at is None:
-                        self._on_signal(signum)
-            now = time.monotonic()
-            if self._signalled_at is not None and now - self._signalled_at > self.grace:
-                name = signal.Signals(self._signum).name
-                self._exit(f"did not end within {self.grace:.0f} s of {name}", 128 + self._signum)
-            what, since = self._what, self._since
-            if what is not None and self.stall_after is not None and not self._reported:
-                waited = now - since
-                if waited > self.stall_after:
-                    self._reported = True
-                    self._say(
-                        f"has waited {waited:.0f} s for {what}. The rank it waits on may have failed, or be stuck or"
-                        " waiting itself: see its output. The job fails when the process group's `timeout` runs out"
-                        " (PipelineStrategy(timeout=...)). Where this rank waits:\n" + _main_stack()
-                    )
+        ready, _, _ = select.select([reader], [], [], _POLL_S)
+        if ready:
+            try:
+                data = reader.recv(64)
+            except (BlockingIOError, OSError):
+                data = b""
+            for signum in data:
+                if self._old_fd != -1:  # whoever had the wakeup descriptor before keeps being told
+                    try:
+                        os.write(self._old_fd, bytes([signum]))
+                    except OSError:
+                        pass
+                if signum in _SIGNALS and self._signalled_at is None:
+                    self._on_signal(signum)
+        now = time.monotonic()
+        if self._signalled_at is not None and now - self._signalled_at > self.grace:
+            name = signal.Signals(self._signum).name
+            self._exit(f"did not end within {self.grace:.0f} s of {name}", 128 + self._signum)
+        what, since = self._what, self._since
+        if what is not None and self.stall_after is not None and not self._reported:
+            waited = now - since
+            if waited > self.stall_after:
+                self._reported = True
+                self._say(
+                    f"has waited {waited:.0f} s for {what}. The rank it waits on may have failed, or be stuck or"
+                    " waiting itself: see its output. The job fails when the process group's `timeout` runs out"
+                    " (PipelineStrategy(timeout=...)). Where this rank waits:\n" + _main_stack()
+                )
 
     def _on_signal(self, signum: int) -> None:
         self._signalled_at, self._signum = time.monotonic(), signum
@@ -178,19 +186,23 @@ class Watchdog:
         )
 
     def _exit(self, why: str, code: int) -> None:
-        self._say(why + "; exiting now. Stacks:")
-        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-        for proc in self.children():
-            try:
-                proc.kill()
-            except OSError:
-                pass
-        sys.stderr.flush()
-        os._exit(code)
+        try:
+            self._say(why + "; exiting now. Stacks:")
+            faulthandler.dump_traceback(file=2, all_threads=True)  # the process's stderr, whatever replaced sys.stderr
+            for proc in self.children():
+                try:
+                    proc.kill()
+                except OSError:
+                    pass
+        finally:
+            os._exit(code)
 
     def _say(self, text: str) -> None:
-        sys.stderr.write(f"[lightning_pipe rank {self.rank}] {text}\n")
-        sys.stderr.flush()
+        try:
+            sys.stderr.write(f"[lightning_pipe rank {self.rank}] {text}\n")
+            sys.stderr.flush()
+        except (OSError, ValueError):  # a closed or replaced stderr
+            os.write(2, f"[lightning_pipe rank {self.rank}] {text}\n".encode(errors="replace"))
 
 
 def _main_stack() -> str:

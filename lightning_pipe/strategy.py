@@ -355,7 +355,7 @@ class PipelineStrategy(ParallelStrategy):
         )
         _stage.materialize_local(module, cut.backbone, device)
         tied = _shared_parameters(module, cut)
-        _callbacks.after_cut(trainer.callbacks, module, tied=tied, group=mesh.get_group("pp"))
+        _callbacks.after_cut(trainer.callbacks, module, tied=tied, group=mesh.get_group("pp"), device=device)
         trainer.callbacks = summarize_whole_model(trainer.callbacks, cut.param_counts)
         _compat.count_replicas_in_throughput(trainer.callbacks, self.data_parallel_size)
         if self.data_parallel_size == 1 and not self._own_sampling:
@@ -386,11 +386,17 @@ class PipelineStrategy(ParallelStrategy):
         distributed sampler: a ``shuffle=False`` loader keeps its order, as on one device. A loader that shuffles
         from the global random state (``shuffle=True`` without a ``generator``) would draw a different order on each
         stage, whose random states part ways: it gets a sampler seeded the same on every stage and reshuffled every
-        epoch (``DistributedSampler(num_replicas=1, seed=<seed_everything's>)``, what DDP gives each replica)."""
+        epoch (``DistributedSampler(num_replicas=1, seed=<seed_everything's, else 0>)``, what DDP gives each
+        replica). Any other sampler is kept; the same-data check catches one that differs between stages."""
         if not self._own_sampling or not isinstance(dataloader, DataLoader):
             return dataloader
         sampler = dataloader.sampler
-        if type(sampler) is RandomSampler and sampler.generator is None and not sampler.replacement:
+        if (
+            type(sampler) is RandomSampler
+            and sampler.generator is None
+            and not sampler.replacement
+            and sampler.num_samples == len(sampler.data_source)  # a DistributedSampler draws the whole dataset
+        ):
             seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
             same = DistributedSampler(dataloader.dataset, num_replicas=1, rank=0, shuffle=True, seed=seed)
             return _compat.with_sampler(dataloader, same)
@@ -418,7 +424,7 @@ class PipelineStrategy(ParallelStrategy):
             for replica in range(mesh.shape[0]):
                 members = tuple(int(mesh[replica][r]) for r in ranks)
                 if members not in self._tie_groups:
-                    self._tie_groups[members] = dist.new_group(list(members))
+                    self._tie_groups[members] = dist.new_group(list(members), timeout=self._timeout)
                 if self.global_rank in members:
                     group = self._tie_groups[members]
                     for name, source in shared:

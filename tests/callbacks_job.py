@@ -62,6 +62,20 @@ class Recorder(L.Callback):
             (self.out / f"{self.name}.rank{trainer.global_rank}.error.txt").write_text(text)
 
 
+class GradualFinetuning(builtin.BaseFinetuning):
+    """Unfreezes the neck (the last stage's blocks) at epoch 1 and the feature extractor's blocks (the first stage's)
+    at epoch 2, each as a new parameter group: each time, the other rank has none of the group's parameters."""
+
+    def freeze_before_training(self, pl_module: L.LightningModule) -> None:
+        self.freeze([pl_module.backbone, pl_module.neck])
+
+    def finetune_function(self, pl_module: L.LightningModule, epoch: int, optimizer: Any) -> None:
+        if epoch == 1:
+            self.unfreeze_and_add_param_group(pl_module.neck, optimizer, lr=0.004)
+        elif epoch == 2:
+            self.unfreeze_and_add_param_group(pl_module.backbone.blocks, optimizer, lr=0.002)
+
+
 def make_callback(spec: dict[str, Any], root: str) -> L.Callback:
     kwargs = dict(spec.get("kwargs", {}))
     if "dirpath" in kwargs:
@@ -70,6 +84,8 @@ def make_callback(spec: dict[str, Any], root: str) -> L.Callback:
         kwargs["scheduling"] = {int(k): v for k, v in kwargs["scheduling"].items()}
     if spec["cls"] == "ThroughputMonitor":
         kwargs["batch_size_fn"] = lambda batch: batch[0].size(0)
+    if spec["cls"] == "GradualFinetuning":
+        return GradualFinetuning(**kwargs)
     return getattr(builtin, spec["cls"])(**kwargs)
 
 

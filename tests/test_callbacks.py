@@ -41,6 +41,7 @@ EMA = {"cls": "EMAWeightAveraging", "kwargs": {"decay": 0.9}}
 EVERY_EPOCH = {"cls": "ModelCheckpoint", "kwargs": {"dirpath": "ck", "save_top_k": -1, "filename": "{epoch}"}}
 FINETUNE = {"cls": "BackboneFinetuning", "kwargs": {"unfreeze_backbone_at_epoch": 1, "backbone_initial_lr": 0.005}}
 FT_PIPE = {**PIPE, "backbone": ["backbone.blocks", "neck"]}
+GRADUAL = {"cls": "GradualFinetuning"}  # callbacks_job.GradualFinetuning: each stage's blocks unfrozen in turn
 PRUNE = {"cls": "ModelPruning", "kwargs": {"pruning_fn": "l1_unstructured", "amount": 0.3}}
 LR_FIND = {"min_lr": 1e-5, "max_lr": 0.05, "early_stop_threshold": None}
 
@@ -68,6 +69,9 @@ PHASES = [
     phase("finetune_resume", 3, [FINETUNE], model={"kind": "finetune"}, strategy=dict(FT_PIPE), root="finetune",
           ckpt_path="finetune/ck/epoch=1.ckpt"),
     phase("finetune_all", 2, [FINETUNE], model={"kind": "finetune", "optimize": "all"}, strategy=dict(FT_PIPE)),
+    phase("gradual", 3, [GRADUAL, EVERY_EPOCH], model={"kind": "finetune"}, strategy=dict(FT_PIPE)),
+    phase("gradual_resume", 4, [GRADUAL], model={"kind": "finetune"}, strategy=dict(FT_PIPE), root="gradual",
+          ckpt_path="gradual/ck/epoch=2.ckpt"),
     phase("prune", 2, [PRUNE, EVERY_EPOCH]),
     phase("prune_resume", 2, [PRUNE], root="prune", ckpt_path="prune/ck/epoch=0.ckpt"),
     phase(
@@ -183,6 +187,15 @@ def test_backbone_finetuning(name, pipelined, reference):
     assert {s for got in pipelined[name] for s in got["adam_steps"]} == set(ref["adam_steps"])
     # rank 0 holds only the frozen feature extractor: with `filter(requires_grad)` its optimizer started empty
     assert {k.split(".")[0] for k in pipelined["finetune"][0]["state_dict"]} == {"backbone"}
+
+
+@pytest.mark.parametrize("name", ["gradual", "gradual_resume"])
+def test_gradual_unfreezing_one_stage_at_a_time(name, pipelined, reference):
+    """Each added group lands on one rank only (the other gets it empty); the stored groups keep their positions,
+    so the resume rebuilds the three groups of one process."""
+    assert_same_training(name, pipelined, reference)
+    assert reference[name]["steps"][-1]["groups"] == 3
+    assert all(step["groups"] == 3 for got in pipelined[name] for step in got["steps"][-6:])
 
 
 @pytest.mark.parametrize("name", ["prune", "prune_resume"])

@@ -101,20 +101,24 @@ def save(
     # DCP raises a failure of any rank's writer on every rank.
     failure = _attempt(dcp.save, state, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True))
     if is_global_zero and failure is None:
-        checkpoint[INFO_KEY] = {
-            "format_version": FORMAT_VERSION,
-            "state_dict_keys": list(names.state_keys),
-            "aliases": dict(names.aliases),
-            "optimizers": [
-                {
-                    "param_groups": names.merge_groups([groups[idx] for groups in gathered]),
-                    "class": _class_name(optimizers[idx]),
-                }
-                for idx in range(len(optimizers))
-            ],
-            "pipeline_layout": layout,
-        }
-        failure = _attempt(write_meta, checkpoint, tmp)
+
+        def write() -> None:  # inside `_attempt`: a failure here is reported on every rank
+            checkpoint[INFO_KEY] = {
+                "format_version": FORMAT_VERSION,
+                "state_dict_keys": list(names.state_keys),
+                "aliases": dict(names.aliases),
+                "optimizers": [
+                    {
+                        "param_groups": names.merge_groups([groups[idx] for groups in gathered]),
+                        "class": _class_name(optimizers[idx]),
+                    }
+                    for idx in range(len(optimizers))
+                ],
+                "pipeline_layout": layout,
+            }
+            write_meta(checkpoint, tmp)
+
+        failure = _attempt(write)
     _outcome_on_every_rank(failure, path, "writing it", tmp if is_global_zero else None)
     failure = _attempt(commit, tmp, path) if is_global_zero else None
     _outcome_on_every_rank(failure, path, "moving it into place", tmp if is_global_zero else None)
@@ -361,7 +365,16 @@ def _load_file(
 ) -> dict[str, Any]:
     """Each rank takes its stages from an ordinary single-file Lightning checkpoint."""
     strict = module.strict_loading
-    checkpoint = checkpoint_io.load_checkpoint(path, map_location="cpu", weights_only=weights_only)
+    failure = None
+    try:
+        checkpoint = checkpoint_io.load_checkpoint(path, map_location="cpu", weights_only=weights_only)
+    except Exception as err:  # e.g. the file is missing on one node: every rank must fail, none may wait
+        failure = err
+    reports = all_gather(None if failure is None else (global_rank, f"{type(failure).__name__}: {failure}"))
+    if failure is not None:
+        raise failure
+    for other, text in (r for r in reports if r is not None):
+        raise RuntimeError(f"Reading checkpoint `{path}` failed on rank {other}: {text}")
     full = checkpoint.get("state_dict")
     if not isinstance(full, dict):
         raise CheckpointMismatchError(f"`{path}` is not a Lightning checkpoint: it has no `state_dict`.")

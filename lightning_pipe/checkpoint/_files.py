@@ -127,9 +127,12 @@ def commit(tmp: Path, path: Path) -> None:
         if old is not None and not path.exists():
             old.rename(path)
         raise
-    _fsync_dir(path.parent)
-    if old is not None:
-        shutil.rmtree(old)
+    try:  # the checkpoint is in place: what follows is tidying, and must not fail the save
+        _fsync_dir(path.parent)
+        if old is not None:
+            shutil.rmtree(old)
+    except OSError as err:
+        log.warning("checkpoint %s is saved, but tidying up after it failed: %s", path, err)
     log.debug("checkpoint committed: %s", path)
 
 
