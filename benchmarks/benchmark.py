@@ -250,7 +250,7 @@ def run_variant(variant: str, flags: list[str], env: dict[str, str], timeout: in
     bubble = re.search(r"measured bubble ([0-9.]+)%", log)
     if bubble:
         result["timeline_bubble"] = float(bubble.group(1)) / 100
-    costs = re.search(r"forward\+backward ms per module: ([0-9., ]+)", log)
+    costs = re.search(r"forward\+backward ms per (?:module|block): ([0-9., ]+)", log)
     if costs:
         result["module_ms"] = [float(c) for c in costs.group(1).split(",")]
     return result
