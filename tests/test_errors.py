@@ -112,6 +112,8 @@ def test_parameters_outside_the_backbone_are_kept_trainable_or_frozen():
         ({"schedule": "GPipe", "stages_per_rank": 2}, "runs one stage per process.*Interleaved1F1B"),
         ({"schedule": "ZBVZeroBubble", "stages_per_rank": 3}, "exactly 2 stages per process"),
         ({"balance": "flops"}, r"balance='flops'\)` is unknown"),
+        ({"stall_timeout": 0}, r"stall_timeout=0\)` must be a positive number of seconds, a `timedelta`"),
+        ({"check_data_every_n_batches": 0}, r"check_data_every_n_batches=0\)` must be a positive integer, or None"),
     ],
 )
 def test_bad_arguments_fail_at_construction(kwargs, match):
