@@ -11,7 +11,9 @@ import logging
 import os
 import signal
 import subprocess
+import sys
 import time
+import traceback
 from collections.abc import Generator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -585,6 +587,11 @@ class PipelineStrategy(ParallelStrategy):
         # fail on their own (and print why), then end them so that no process is left hanging.
         launcher = self.launcher
         if isinstance(launcher, _compat.subprocess_launcher_class()) and launcher.procs:
+            # Say why now: when a launched rank has failed too, Lightning's observer thread SIGKILLs this process
+            # as well, possibly before Python prints the traceback.
+            text = "".join(traceback.format_exception_only(type(exception), exception)).rstrip()
+            sys.stderr.write(f"[rank {self.global_rank}] {text}\n")
+            sys.stderr.flush()
             deadline = time.monotonic() + 3.0
             for proc in launcher.procs:
                 try:
