@@ -39,6 +39,7 @@ from torch import Tensor, nn
 from torch.nn.utils import prune as torch_prune
 
 from lightning_pipe import _compat
+from lightning_pipe._fingerprint import differs
 from lightning_pipe.checkpoint._local import marker
 
 log = logging.getLogger(__name__)
@@ -197,9 +198,7 @@ def align_param_groups(
     if not optimizers or dist.get_world_size(group) == 1:
         return
     counts = torch.tensor([len(o.param_groups) for o in optimizers], dtype=torch.int64, device=device)
-    spread = torch.cat([counts, -counts])
-    dist.all_reduce(spread, op=dist.ReduceOp.MAX, group=group)
-    if torch.equal(spread[: len(counts)], -spread[len(counts) :]):
+    if not differs(counts, group):
         return
     hyper = [
         [{k: v for k, v in g.items() if k not in ("params", "param_names")} for g in o.param_groups] for o in optimizers

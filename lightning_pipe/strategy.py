@@ -585,20 +585,20 @@ class PipelineStrategy(ParallelStrategy):
         self._failed = True
         # Rank 0 launched the other ranks; if it fails they may wait on it in a transfer. Give them a moment to
         # fail on their own (and print why), then end them so that no process is left hanging.
-        launcher = self.launcher
-        if isinstance(launcher, _compat.subprocess_launcher_class()) and launcher.procs:
+        procs = self._launched_processes()
+        if procs:
             # Say why now: when a launched rank has failed too, Lightning's observer thread SIGKILLs this process
             # as well, possibly before Python prints the traceback.
             text = "".join(traceback.format_exception_only(type(exception), exception)).rstrip()
             sys.stderr.write(f"[rank {self.global_rank}] {text}\n")
             sys.stderr.flush()
             deadline = time.monotonic() + 3.0
-            for proc in launcher.procs:
+            for proc in procs:
                 try:
                     proc.wait(timeout=max(0.0, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
                     pass
-            launcher.kill(signal.SIGKILL)
+            self.launcher.kill(signal.SIGKILL)
 
     @override
     def teardown(self) -> None:
