@@ -21,7 +21,19 @@ balanced by any split, and the whole-module bound then shows how far from the ce
 with ``--n-layers 4`` the head and loss alone are 56% of the work, and the bound is 1.13× the ceiling.
 
 Each variant runs ``--rounds`` times, interleaved with the others (a, a', b, c, d, e, a, a', ...), and the run with
-the lowest median counts: a burst of other load on a shared machine slows one run, not the variant.
+the lowest median counts: a burst of other load on a shared machine slows one run, not the variant. Next to the
+integration overhead (c)/(b) of the counted runs, the ratio of each round's (c) and (b) runs is printed.
+
+Two settings keep the machine from deciding the comparison, the same for every variant (``--no-pin`` and
+``--no-fixed-malloc`` turn them off):
+
+- ``--pin``: each rank's main thread is pinned to its own core once its process groups exist (gloo's threads stay
+  free). Left to the scheduler, the ranks of a 2-process run on 2 cores are moved about, and runs of the same
+  variant differed by up to 10%.
+- ``--fixed-malloc``: glibc's malloc runs with fixed thresholds (``GLIBC_TUNABLES``, see :data:`FIXED_MALLOC`), so
+  the large blocks of the head's logits and gradients stay in the heap instead of being unmapped and faulted in
+  again. With the adaptive default, a rank faulted in 1 to 2.2 million pages in 25 steps, a different number in
+  every run of the same variant: 40 to 100 ms of kernel time per step.
 
 All variants build the identical model (``examples/llama.py``, same seed), see the same batches of the same
 microbatch count and step plain SGD. Every process runs with ONE thread (``OMP_NUM_THREADS=1`` and
@@ -40,7 +52,7 @@ Each variant runs in its own subprocess (``--variant NAME --out FILE``), one aft
 launcher can start the ranks of (c) as it always does. The parent prints the table and writes
 ``benchmarks/results.json``.
 
-    python benchmarks/benchmark.py                       # about 9 minutes on 2 idle cores
+    python benchmarks/benchmark.py                       # about 13 minutes on 2 idle cores
     python benchmarks/benchmark.py --rounds 1 --steps 10  # a quick look
 """
 
@@ -77,6 +89,11 @@ VARIANTS = {
     "parameters": "(d) PipelineStrategy 1F1B, balance=parameters",
     "time": "(e) PipelineStrategy 1F1B, balance=time",
 }
+#: glibc's malloc with fixed thresholds: large blocks stay in the heap instead of being unmapped and faulted in again.
+#: With the default (adaptive) thresholds, how many pages a process faults in per step differs from run to run (1 to 2
+#: million faults in 25 steps, 40 to 100 ms of kernel time per step), whichever variant runs: more than the overhead
+#: this benchmark is after. jemalloc or tcmalloc, which PyTorch's CPU tuning guide recommends, avoid the same cost.
+FIXED_MALLOC = "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=4294967296"
 STRATEGY_BALANCE = {"strategy": "uniform", "parameters": "parameters", "time": "time"}
 
 
@@ -119,6 +136,22 @@ def write_result(args: argparse.Namespace, rank: int, starts: list[float], cpu: 
         json.dump(result, f)
 
 
+def pin(args: argparse.Namespace, rank: int) -> None:
+    """Keep the calling thread (a rank's main thread, which computes) on the ``rank``-th allowed core, if there is
+    one per rank. Call it once the process groups exist: their communication threads, started before, stay free to
+    run on any core, as they are without pinning. Without it the scheduler moves the ranks between the two cores of
+    the development machine, and runs of the same variant differ by up to 10%.
+
+    The cores come from the environment when a launching process pinned itself already (Lightning starts rank 1
+    from rank 0)."""
+    if not args.pin or not hasattr(os, "sched_setaffinity"):
+        return
+    cores = os.environ.setdefault("BENCH_CORES", ",".join(map(str, sorted(os.sched_getaffinity(0)))))
+    cores_list = [int(c) for c in cores.split(",")]
+    if rank < len(cores_list):
+        os.sched_setaffinity(0, [cores_list[rank]])  # 0: the calling thread (Linux)
+
+
 # --------------------------------------------------------------------------------- (a) and (c): Lightning
 class StepTimer(L.Callback):
     """Records wall-clock and CPU time at every training-step start; each rank writes them when training ends."""
@@ -127,6 +160,9 @@ class StepTimer(L.Callback):
         self.args = args
         self.starts: list[float] = []
         self.cpu: list[float] = []
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        pin(self.args, trainer.global_rank)  # after the strategy's setup, which makes the process groups
 
     def on_train_batch_start(self, trainer: L.Trainer, *_: Any) -> None:
         self.starts.append(time.perf_counter())
@@ -187,6 +223,7 @@ def run_microbatched(args: argparse.Namespace) -> None:
 def torch_worker(rank: int, args: argparse.Namespace, port: int) -> None:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
+    pin(args, rank)
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
@@ -207,8 +244,8 @@ def torch_worker(rank: int, args: argparse.Namespace, port: int) -> None:
         optimizer.zero_grad()
         if rank == 0:
             schedule.step(x)
-        else:
-            schedule.step(target=y)
+        else:  # the loss is all the last stage needs: merging the logits of every microbatch would waste 45 ms
+            schedule.step(target=y, return_outputs=False)
         optimizer.step()
         if len(starts) == args.warmup + args.steps:
             break
@@ -268,7 +305,11 @@ def whole_module_bound(module_ms: list[float], p: int) -> float:
 
 def run_all(args: argparse.Namespace) -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    flags = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in ("variant", "out", "rounds")]
+    if args.fixed_malloc:
+        env.setdefault("GLIBC_TUNABLES", FIXED_MALLOC)
+    skip = ("variant", "out", "rounds", "fixed_malloc", "pin")
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in skip]
+    flags.append("--pin" if args.pin else "--no-pin")
     results: dict[str, dict] = {}
     load_before = os.getloadavg()
     for round_ in range(args.rounds):
@@ -289,6 +330,9 @@ def run_all(args: argparse.Namespace) -> None:
     ratios = {
         "strategy_over_torch": med["strategy"] / med["torch"],
         "strategy_over_torch_cpu": cpu["strategy"] / cpu["torch"],
+        "strategy_over_torch_by_round": [
+            c / b for b, c in zip(results["torch"]["round_medians"], results["strategy"]["round_medians"])
+        ],
         "single_over_strategy": med["single"] / med["strategy"],
         "single_over_torch": med["single"] / med["torch"],
         "time_over_ceiling": med["time"] / ceiling,
@@ -321,6 +365,8 @@ def run_all(args: argparse.Namespace) -> None:
         f"strategy / hand-written torch, same split (c)/(b): {ratios['strategy_over_torch']:.3f}x (>1: integration"
         f" overhead; in CPU seconds summed over ranks {ratios['strategy_over_torch_cpu']:.3f}x)"
     )
+    pairs = ", ".join(f"{c / b:.3f}" for b, c in zip(*(results[v]["round_medians"] for v in ("torch", "strategy"))))
+    print(f"  the same, round by round: {pairs}")
     print(f"speed-up over one process                 (a)/(c): {ratios['single_over_strategy']:.3f}x")
     print(f"speed-up of hand-written torch            (a)/(b): {ratios['single_over_torch']:.3f}x")
     print(f"balance=time over the ceiling             (e)/ceiling: {ratios['time_over_ceiling']:.3f}x")
@@ -341,6 +387,8 @@ def run_all(args: argparse.Namespace) -> None:
             "torch": torch.__version__,
             "lightning": L.__version__,
             "python": platform.python_version(),
+            "pinned": args.pin,
+            "glibc_tunables": env.get("GLIBC_TUNABLES"),
         },
         "median_step_s": med,
         "median_cpu_s_all_ranks": cpu,
@@ -367,8 +415,12 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--rounds", type=int, default=2, help="runs of every variant, interleaved; the fastest counts")
+    p.add_argument("--rounds", type=int, default=3, help="runs of every variant, interleaved; the fastest counts")
     p.add_argument("--timeout", type=int, default=600, help="seconds allowed per variant")
+    p.add_argument("--fixed-malloc", action=argparse.BooleanOptionalAction, default=True,
+                   help=f"run the variants with GLIBC_TUNABLES={FIXED_MALLOC} (unless GLIBC_TUNABLES is set)")
+    p.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
+                   help="pin rank r's process to the r-th allowed core, where there is one per rank")
     args = p.parse_args()
     if args.batch_size % args.num_microbatches:
         p.error(f"--num-microbatches {args.num_microbatches} must divide --batch-size {args.batch_size}.")
@@ -379,6 +431,8 @@ def main() -> None:
     if args.out is None:
         p.error("--out is required with --variant.")
     torch.set_num_threads(1)
+    if args.variant == "microbatched":  # the others pin their ranks once the process groups exist
+        pin(args, 0)
     {"torch": run_torch, "microbatched": run_microbatched}.get(args.variant, run_lightning)(args)
 
 
