@@ -25,15 +25,16 @@ the lowest median counts: a burst of other load on a shared machine slows one ru
 integration overhead (c)/(b) of the counted runs, the ratio of each round's (c) and (b) runs is printed.
 
 Two settings keep the machine from deciding the comparison, the same for every variant (``--no-pin`` and
-``--no-fixed-malloc`` turn them off):
+``--no-steady-memory`` turn them off):
 
 - ``--pin``: each rank's main thread is pinned to its own core once its process groups exist (gloo's threads stay
   free). Left to the scheduler, the ranks of a 2-process run on 2 cores are moved about, and runs of the same
   variant differed by up to 10%.
-- ``--fixed-malloc``: glibc's malloc runs with fixed thresholds (``GLIBC_TUNABLES``, see :data:`FIXED_MALLOC`), so
-  the large blocks of the head's logits and gradients stay in the heap instead of being unmapped and faulted in
-  again. With the adaptive default, a rank faulted in 1 to 2.2 million pages in 25 steps, a different number in
-  every run of the same variant: 40 to 100 ms of kernel time per step.
+- ``--steady-memory``: glibc's malloc runs with fixed thresholds, so the large blocks of the head's logits and
+  gradients stay in the heap instead of being unmapped and faulted in again, and torch's allocator asks for
+  transparent huge pages (see :data:`STEADY_MEMORY`). Without them, the page faults (40 to 100 ms of kernel time
+  per step) and the speed of the same matrix products (up to 5%) differed from one process to the next, whichever
+  code it ran.
 
 All variants build the identical model (``examples/llama.py``, same seed), see the same batches of the same
 microbatch count and step plain SGD. Every process runs with ONE thread (``OMP_NUM_THREADS=1`` and
@@ -89,11 +90,17 @@ VARIANTS = {
     "parameters": "(d) PipelineStrategy 1F1B, balance=parameters",
     "time": "(e) PipelineStrategy 1F1B, balance=time",
 }
-#: glibc's malloc with fixed thresholds: large blocks stay in the heap instead of being unmapped and faulted in again.
-#: With the default (adaptive) thresholds, how many pages a process faults in per step differs from run to run (1 to 2
-#: million faults in 25 steps, 40 to 100 ms of kernel time per step), whichever variant runs: more than the overhead
-#: this benchmark is after. jemalloc or tcmalloc, which PyTorch's CPU tuning guide recommends, avoid the same cost.
-FIXED_MALLOC = "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=4294967296"
+#: The memory settings of ``--steady-memory``, for every variant. glibc's malloc with fixed thresholds: large blocks
+#: stay in the heap instead of being unmapped and faulted in again (with the adaptive default, a rank faulted in 1 to
+#: 2.2 million pages in 25 steps, a different number in every run: 40 to 100 ms of kernel time per step). And torch's
+#: CPU allocator asks for transparent huge pages for blocks of 2 MB and more: without them, how fast the same
+#: matrix products run depended on where a process's heap happened to lie, and one process computed up to 5% slower
+#: than another running the same code. jemalloc or tcmalloc, which PyTorch's CPU tuning guide recommends, address the
+#: same costs.
+STEADY_MEMORY = {
+    "GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=4294967296",
+    "THP_MEM_ALLOC_ENABLE": "1",
+}
 STRATEGY_BALANCE = {"strategy": "uniform", "parameters": "parameters", "time": "time"}
 
 
@@ -179,7 +186,8 @@ def run_lightning(args: argparse.Namespace) -> None:
     if args.variant in STRATEGY_BALANCE:
         from lightning_pipe import PipelineStrategy
 
-        timeline = {"step": 3, "dirpath": HERE} if args.variant == "time" else None
+        # into the run's own directory: the parent keeps the files of the run that counts
+        timeline = {"step": 3, "dirpath": os.path.dirname(args.out)} if args.variant == "time" else None
         strategy = PipelineStrategy(
             num_microbatches=args.num_microbatches, schedule="1F1B", balance=STRATEGY_BALANCE[args.variant],
             timeline=timeline,
@@ -279,7 +287,13 @@ def run_variant(variant: str, flags: list[str], env: dict[str, str], timeout: in
         for name in ranks:
             with open(os.path.join(tmp, name)) as f:
                 per_rank.append(json.load(f))
+        timeline_files = {}
+        for name in ("timeline.json", "timeline.png"):
+            if os.path.exists(os.path.join(tmp, name)):
+                with open(os.path.join(tmp, name), "rb") as f:
+                    timeline_files[name] = f.read()
     result = per_rank[0]
+    result["_timeline_files"] = timeline_files
     result["cpu_per_rank_median"] = [r["cpu_median"] for r in per_rank]
     result["cpu_median_all_ranks"] = sum(r["cpu_median"] for r in per_rank)
     result["wall_s"] = round(time.perf_counter() - begin, 1)
@@ -305,9 +319,10 @@ def whole_module_bound(module_ms: list[float], p: int) -> float:
 
 def run_all(args: argparse.Namespace) -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    if args.fixed_malloc:
-        env.setdefault("GLIBC_TUNABLES", FIXED_MALLOC)
-    skip = ("variant", "out", "rounds", "fixed_malloc", "pin")
+    if args.steady_memory:
+        for key, value in STEADY_MEMORY.items():
+            env.setdefault(key, value)
+    skip = ("variant", "out", "rounds", "steady_memory", "pin")
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in skip]
     flags.append("--pin" if args.pin else "--no-pin")
     results: dict[str, dict] = {}
@@ -388,13 +403,18 @@ def run_all(args: argparse.Namespace) -> None:
             "lightning": L.__version__,
             "python": platform.python_version(),
             "pinned": args.pin,
-            "glibc_tunables": env.get("GLIBC_TUNABLES"),
+            "memory_settings": {key: env.get(key) for key in STEADY_MEMORY},
         },
         "median_step_s": med,
         "median_cpu_s_all_ranks": cpu,
         "ratios": ratios,
         "variants": results,
     }
+    for name, data in results["time"].pop("_timeline_files", {}).items():  # the counted run's, as its figures
+        with open(os.path.join(HERE, name), "wb") as f:
+            f.write(data)
+    for result in results.values():
+        result.pop("_timeline_files", None)
     path = os.path.join(HERE, "results.json")
     with open(path, "w") as f:
         json.dump(report, f, indent=2)
@@ -417,10 +437,10 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rounds", type=int, default=3, help="runs of every variant, interleaved; the fastest counts")
     p.add_argument("--timeout", type=int, default=600, help="seconds allowed per variant")
-    p.add_argument("--fixed-malloc", action=argparse.BooleanOptionalAction, default=True,
-                   help=f"run the variants with GLIBC_TUNABLES={FIXED_MALLOC} (unless GLIBC_TUNABLES is set)")
+    p.add_argument("--steady-memory", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the variants with the environment STEADY_MEMORY sets (unless already set)")
     p.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
-                   help="pin rank r's process to the r-th allowed core, where there is one per rank")
+                   help="pin rank r's main thread to the r-th allowed core, where there is one per rank")
     args = p.parse_args()
     if args.batch_size % args.num_microbatches:
         p.error(f"--num-microbatches {args.num_microbatches} must divide --batch-size {args.batch_size}.")
