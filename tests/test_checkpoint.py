@@ -391,6 +391,28 @@ def test_commit_replaces_and_interrupted_replace_falls_back(saved, tmp_path):
         assert _files.resolve(target) == tmp_path / ("last.ckpt" + OLD_SUFFIX)
 
 
+@pytest.mark.parametrize("kind", ["file", "link"])
+def test_commit_over_a_file_or_link_puts_it_back_if_the_rename_fails(saved, tmp_path, kind):
+    """What another strategy (a file) or `save_last="link"` (a link) left at the path survives a failed commit, and
+    a commit that succeeds replaces it without touching what a link points to."""
+    target = tmp_path / "last.ckpt"
+    pointed = tmp_path / "epoch=0.ckpt"
+    pointed.write_text("single file")
+    if kind == "file":
+        target.write_text("single file")
+    else:
+        target.symlink_to(pointed.name)
+    with pytest.raises(FileNotFoundError):
+        _files.commit(tmp_path / ("missing" + TMP_SUFFIX), target)
+    assert target.read_text() == "single file" and target.is_symlink() == (kind == "link")
+    assert not (tmp_path / ("last.ckpt" + OLD_SUFFIX)).exists()
+    new = tmp_path / ("last.ckpt" + TMP_SUFFIX)
+    shutil.copytree(saved["epoch0"], new)
+    _files.commit(new, target)
+    assert is_pipeline_checkpoint(target) and not target.is_symlink() and not new.exists()
+    assert not (tmp_path / ("last.ckpt" + OLD_SUFFIX)).exists() and pointed.read_text() == "single file"
+
+
 def test_merged_parameter_groups_follow_the_model_order():
     """Every rank's optimizer groups, merged, list the parameters in the single-device model's order (what a
     single-file optimizer state numbers them by)."""

@@ -111,26 +111,24 @@ def resolve(path: Path) -> Path:
 
 
 def commit(tmp: Path, path: Path) -> None:
-    """Move the finished ``tmp`` directory to ``path``, replacing what is there. If the move fails, a checkpoint
-    that was at ``path`` is put back."""
+    """Move the finished ``tmp`` directory to ``path``, replacing what is there. If the move fails, what was at
+    ``path`` (a checkpoint, a link ``save_last="link"`` made, or a file another strategy wrote) is put back."""
     old: Optional[Path] = None
-    if path.is_symlink() or path.is_file():
-        path.unlink()  # a link (``save_last="link"``) or a file written by another strategy
-    elif path.exists():
+    if path.exists() or path.is_symlink():
         old = sibling(path, OLD_SUFFIX)
-        if old.exists():
+        if old.exists() or old.is_symlink():
             remove(old)
-        path.rename(old)
+        path.rename(old)  # a link is moved, not what it points to
     try:
         tmp.rename(path)
     except BaseException:
-        if old is not None and not path.exists():
+        if old is not None and not (path.exists() or path.is_symlink()):
             old.rename(path)
         raise
     try:  # the checkpoint is in place: what follows is tidying, and must not fail the save
         _fsync_dir(path.parent)
         if old is not None:
-            shutil.rmtree(old)
+            remove(old)
     except OSError as err:
         log.warning("checkpoint %s is saved, but tidying up after it failed: %s", path, err)
     log.debug("checkpoint committed: %s", path)
