@@ -231,10 +231,10 @@ def run_microbatched(args: argparse.Namespace) -> None:
 def torch_worker(rank: int, args: argparse.Namespace, port: int) -> None:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-    pin(args, rank)
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
+    pin(args, rank)  # after the process group, as the strategy's ranks: gloo's threads stay free
     backbone = make_model(args).backbone
     split = stage0_modules(args)
     module = backbone[:split] if rank == 0 else backbone[split:]
