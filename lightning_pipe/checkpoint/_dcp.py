@@ -130,8 +130,7 @@ class CheckpointSaveError(RuntimeError):
 
 def _prepare(path: Path, tmp: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    if tmp.exists() or tmp.is_symlink():
-        remove(tmp)  # left by a save that was killed
+    remove(tmp)  # if a save that was killed left it
 
 
 def _attempt(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Optional[BaseException]:
@@ -155,7 +154,7 @@ def _outcome_on_every_rank(failure: Optional[BaseException], path: Path, step: s
     failed = [t for t in all_gather(text) if t is not None]
     if not failed:
         return
-    if cleanup is not None and (cleanup.exists() or cleanup.is_symlink()):
+    if cleanup is not None:
         try:
             remove(cleanup)
         except OSError as err:

@@ -114,15 +114,14 @@ def commit(tmp: Path, path: Path) -> None:
     """Move the finished ``tmp`` directory to ``path``, replacing what is there. If the move fails, what was at
     ``path`` (a checkpoint, a link ``save_last="link"`` made, or a file another strategy wrote) is put back."""
     old: Optional[Path] = None
-    if path.exists() or path.is_symlink():
+    if _occupied(path):
         old = sibling(path, OLD_SUFFIX)
-        if old.exists() or old.is_symlink():
-            remove(old)
+        remove(old)
         path.rename(old)  # a link is moved, not what it points to
     try:
         tmp.rename(path)
     except BaseException:
-        if old is not None and not (path.exists() or path.is_symlink()):
+        if old is not None and not _occupied(path):
             old.rename(path)
         raise
     try:  # the checkpoint is in place: what follows is tidying, and must not fail the save
@@ -135,12 +134,17 @@ def commit(tmp: Path, path: Path) -> None:
 
 
 def remove(filepath: Any) -> None:
-    """Delete a checkpoint directory (or a file or link left by another strategy)."""
+    """Delete a checkpoint directory (or a file or link left by another strategy); nothing there is fine."""
     path = Path(filepath)
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path)
-    elif path.exists() or path.is_symlink():
+    elif _occupied(path):
         path.unlink()
+
+
+def _occupied(path: Path) -> bool:
+    """Whether anything is at ``path``, a dangling link included (``exists()`` follows links)."""
+    return path.exists() or path.is_symlink()
 
 
 def sibling(path: Path, suffix: str) -> Path:
