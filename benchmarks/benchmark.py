@@ -147,16 +147,13 @@ def pin(args: argparse.Namespace, rank: int) -> None:
     """Keep the calling thread (a rank's main thread, which computes) on the ``rank``-th allowed core, if there is
     one per rank. Call it once the process groups exist: their communication threads, started before, stay free to
     run on any core, as they are without pinning. Without it the scheduler moves the ranks between the two cores of
-    the development machine, and runs of the same variant differ by up to 10%.
-
-    The cores come from the environment when a launching process pinned itself already (Lightning starts rank 1
-    from rank 0)."""
+    the development machine, and runs of the same variant differ by up to 10%. Every rank pins itself after its
+    ranks were started, so each starts with all the allowed cores."""
     if not args.pin or not hasattr(os, "sched_setaffinity"):
         return
-    cores = os.environ.setdefault("BENCH_CORES", ",".join(map(str, sorted(os.sched_getaffinity(0)))))
-    cores_list = [int(c) for c in cores.split(",")]
-    if rank < len(cores_list):
-        os.sched_setaffinity(0, [cores_list[rank]])  # 0: the calling thread (Linux)
+    cores = sorted(os.sched_getaffinity(0))
+    if rank < len(cores):
+        os.sched_setaffinity(0, [cores[rank]])  # 0: the calling thread (Linux)
 
 
 # --------------------------------------------------------------------------------- (a) and (c): Lightning
