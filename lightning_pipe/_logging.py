@@ -38,7 +38,9 @@ class LogRecorder:
         self.values: dict[str, list[Any]] = {}
         self.options: dict[str, dict[str, Any]] = {}
         self.batch_sizes: dict[str, list[int]] = {}
+        self.weights: dict[str, list[Any]] = {}  # what each value weighs in the merge: its batch size, or its count
         self.rows = 0  # size of the (micro)batch the step is running on
+        self._this_microbatch: list[str] = []
 
     def __call__(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
         bound = _LOG_SIGNATURE.bind(None, name, value, *args, **kwargs)
@@ -46,7 +48,23 @@ class LogRecorder:
         self.values.setdefault(name, []).append(value)
         self.options[name] = options
         given = options.get("batch_size")
-        self.batch_sizes.setdefault(name, []).append(int(given) if given is not None else self.rows)
+        size = int(given) if given is not None else self.rows
+        self.batch_sizes.setdefault(name, []).append(size)
+        self.weights.setdefault(name, []).append(size)
+        self._this_microbatch.append(name)
+
+    def start(self, rows: int) -> None:
+        """A new microbatch of ``rows`` rows begins."""
+        self.rows = rows
+        self._this_microbatch = []
+
+    def weigh_loss(self, loss: torch.Tensor, weight: torch.Tensor) -> None:
+        """Merge the values this microbatch logged that are its loss (the tensor, or a view or detached copy of it)
+        by ``weight``, the count the loss averages over, instead of by rows ([Note: token-weighted losses])."""
+        for name in self._this_microbatch:
+            value = self.values[name][-1]
+            if isinstance(value, torch.Tensor) and value.dim() == 0 and value.data_ptr() == loss.data_ptr():
+                self.weights[name][-1] = weight
 
     @contextmanager
     def installed(self, module: LightningModule) -> Iterator["LogRecorder"]:
@@ -79,7 +97,7 @@ class LogRecorder:
                 forward_cache = _compat.metric_bookkeeping(last)[1]
                 entries.append((name, _MetricRef(metric_names[id(last)], forward_cache), options))
                 continue
-            entries.append((name, _weighted_mean(name, values, self.batch_sizes[name]), options))
+            entries.append((name, _weighted_mean(name, values, self.weights[name]), options))
         states = _MetricStates.of(metrics)
         if states.templates:
             entries.append(("", states, {}))
@@ -161,17 +179,23 @@ def _weighted_mean(name: str, values: list[Any], weights: list[int]) -> torch.Te
     if len(tensors) == 1:
         return tensors[0]
     stacked = torch.stack([t.to(tensors[0].device) for t in tensors])
-    if len(set(weights)) == 1:
+    if all(isinstance(w, int) for w in weights) and len(set(weights)) == 1:
         return stacked.mean(0)
-    w = torch.tensor(weights, dtype=stacked.dtype, device=stacked.device).view(-1, *([1] * (stacked.dim() - 1)))
-    return (stacked * w).sum(0) / w.sum()
+    w = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=stacked.device) for v in weights])
+    if not bool((w > 0).any()):
+        return stacked.mean(0)
+    w = w.view(-1, *([1] * (stacked.dim() - 1)))
+    # A microbatch that weighs nothing (every label ignored) may have logged 0 / 0: it adds nothing.
+    merged = (torch.where(w > 0, stacked.double(), 0.0) * w).sum(0) / w.sum()
+    return merged.to(stacked.dtype)
 
 
 class LogChannel:
     """Carries one step's result and reduced logs from the last stage to the other ranks of the pipeline.
 
     The first step (and any step whose logged keys or options change) sends a pickled object. After that, when
-    the keys are the same and every value is a scalar, only the values travel, in one small tensor broadcast:
+    the keys are the same and the result and every value are scalars (the result may be a tuple of them), only the
+    values travel, in one small tensor broadcast:
     a flag in the first slot tells the receivers whether the object follows.
 
     The source does not wait for that broadcast: the last stage finishes its step before the first stage does
@@ -191,17 +215,19 @@ class LogChannel:
             assert payload is not None
             return payload
         self.wait()
-        slots = len(self._signature) + 1 if self._signature is not None else 0
+        width = len(self._signature[0][2]) if self._signature is not None else 0
+        slots = len(self._signature) - 1 + width if self._signature is not None else 0
         buffer = torch.zeros(1 + slots, dtype=torch.float64, device=self.device)
         if payload is not None:
             result, entries = payload
             fast = self._signature is not None and _signature(result, entries) == self._signature
             if fast:
-                if result is not None:
-                    buffer[1] = result.detach().double()
+                for i, part in enumerate(_result_parts(result) or ()):
+                    buffer[1 + i] = part.detach().double()
                 values = _slot_values(entries)
                 if values:
-                    buffer[2 : 2 + len(values)] = torch.stack([v.detach().double().reshape(()) for v in values])
+                    start = 1 + width
+                    buffer[start : start + len(values)] = torch.stack([v.detach().double().reshape(()) for v in values])
                 buffer[0] = 1
                 work = dist.broadcast(buffer, group_src=self.src, group=self.group, async_op=True)
                 self._in_flight = (work, buffer)
@@ -225,9 +251,10 @@ class LogChannel:
 
     def _unpack(self, values: torch.Tensor) -> tuple[Any, list]:
         assert self._signature is not None
-        (_, result_dtype), *keys = self._signature
-        result = values[0].to(result_dtype) if result_dtype is not None else None
-        entries, i = [], 1
+        (_, kind, dtypes), *keys = self._signature
+        parts = [values[i].to(dtype) for i, dtype in enumerate(dtypes)]
+        result = None if kind is None else parts[0] if kind == "tensor" else tuple(parts)
+        entries, i = [], len(dtypes)
         for name, options, kind in keys:
             if isinstance(kind, _MetricRef) and kind.forward_cache is not None:
                 entries.append((name, _MetricRef(kind.path, values[i].to(kind.forward_cache.dtype)), dict(options)))
@@ -242,12 +269,11 @@ class LogChannel:
 
 def _signature(result: Any, entries: list) -> Optional[tuple]:
     """What must not change between steps for the values-only path: result kind, keys, options, value dtypes."""
-    if result is None:
-        head = ("result", None)
-    elif isinstance(result, torch.Tensor) and result.dim() == 0:
-        head = ("result", result.dtype)
-    else:
+    parts = _result_parts(result)
+    if parts is None:
         return None
+    kind = None if result is None else "tensor" if isinstance(result, torch.Tensor) else "tuple"
+    head = ("result", kind, tuple(p.dtype for p in parts))
     keys = []
     for name, value, options in entries:
         try:
@@ -264,6 +290,17 @@ def _signature(result: Any, entries: list) -> Optional[tuple]:
         else:
             return None
     return (head, *keys)
+
+
+def _result_parts(result: Any) -> Optional[list[torch.Tensor]]:
+    """The scalars a result travels as on the values-only path: none for ``None``, itself for a scalar tensor, its
+    items for a tuple of scalar tensors (the training loss and its gradient factor); ``None`` for anything else."""
+    if result is None:
+        return []
+    items = [result] if isinstance(result, torch.Tensor) else list(result) if type(result) is tuple else None
+    if items is None or not all(isinstance(t, torch.Tensor) and t.dim() == 0 for t in items):
+        return None
+    return items
 
 
 def _slot_values(entries: list) -> list[torch.Tensor]:

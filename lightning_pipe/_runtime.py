@@ -44,6 +44,7 @@ from lightning_pipe._cut import Cut
 from lightning_pipe._fingerprint import differs, fingerprint
 from lightning_pipe._ghost import Ghost, GhostValueError, contains_ghost
 from lightning_pipe._logging import LogChannel, LogRecorder, replay
+from lightning_pipe._loss_weights import LossWeighing, warn_once
 from lightning_pipe._metrics import metrics_set_aside, module_metrics, per_batch_metrics
 from lightning_pipe._microbatches import MicrobatchPolicy
 from lightning_pipe._pipeline import StageModule, StagePipeline
@@ -86,32 +87,37 @@ class Gradients:
 
     @contextmanager
     def computed_aside(self) -> Iterator[None]:
-        """Let the block write fresh gradients, then keep them aside (synchronised) and restore the earlier ones."""
+        """Let the block write fresh gradients, then keep them aside and restore the earlier ones; the kept ones are
+        synchronised by :meth:`synchronise`."""
         params = self.trainable()
         previous = [p.grad for p in params]
         for p in params:
             p.grad = None
         try:
             yield
-            self._synchronise(params)
         finally:
             self._pending = [(p, p.grad) for p in params if p.grad is not None]
             for p, grad in zip(params, previous):
                 p.grad = grad
 
-    def _synchronise(self, params: list[nn.Parameter]) -> None:
-        if self.replica_group is not None:
-            grads = [p.grad for p in params if p.grad is not None]
-            _all_reduce(grads, self.replica_group, average=True)
+    def synchronise(self, scale: float = 1.0) -> None:
+        """Multiply the kept gradients by ``scale`` (the step's loss weighting, [Note: token-weighted losses]: one
+        replica's own, so before averaging), average them over the replicas and sum tied copies over their ranks."""
+        kept = dict(self._pending or ())
+        if scale != 1.0 and kept:
+            torch._foreach_mul_(list(kept.values()), scale)
+        if self.replica_group is not None and kept:
+            _all_reduce(list(kept.values()), self.replica_group, average=True)
         for group, shared in self.tie_groups:
             # Every copy takes part (the same sizes on every rank); a frozen copy gets its gradient dropped after.
-            for p in shared:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-            _all_reduce([p.grad for p in shared], group, average=False)
-            for p in shared:
-                if not p.requires_grad:
-                    p.grad = None
+            grads = [kept.get(p) if p in kept else torch.zeros_like(p) for p in shared]
+            _all_reduce(grads, group, average=False)
+            for p, grad in zip(shared, grads):
+                if p.requires_grad:
+                    kept[p] = grad
+                else:
+                    kept.pop(p, None)
+        self._pending = list(kept.items())
 
     def hand_back(self) -> None:
         """Add the kept gradients to ``.grad`` (called by ``Strategy.backward``, after ``zero_grad``)."""
@@ -187,6 +193,7 @@ class PipelineRuntime:
         self.gradients = Gradients(module, replicas, tie_groups)
         self._timeline_done = False
         self._trainable_checked: Optional[int] = None
+        self._mean_warned = False
 
     @property
     def layout(self) -> StageLayout:
@@ -213,18 +220,21 @@ class PipelineRuntime:
         # back-propagates each microbatch loss, so scale it by the same factor and by the microbatch count.
         grad_scale = 1.0 / (num_microbatches * module.trainer.accumulate_grad_batches)
         recorder = LogRecorder()
-        losses: list[Tensor] = []
+        weighing = LossWeighing(num_microbatches, check_unweighted=not self._mean_warned)
 
         def microbatch_loss(output: Tensor, rows: Tensor) -> Tensor:
-            recorder.rows = len(rows)
+            recorder.start(len(rows))
             # A view: zero-bubble schedules detach the stage output in place between the input and the weight
             # gradients, and the weight gradients of the head after the backbone need what the head saw.
             output = output.view_as(output)
-            with recorder.installed(module):
+            with recorder.installed(module), weighing.observing() as observer:
                 result = program.run_answering(output, step, program.sub_batch(rows), *rest, **kwargs)
             loss = loss_of(result)
-            losses.append(loss.detach())
-            loss = loss * grad_scale
+            weight, factor = weighing.add(result, loss, observer)
+            if weight is not None:
+                recorder.weigh_loss(loss, weight)
+            # A microbatch that weighs nothing back-propagates an exact zero (its mean may be 0 / 0).
+            loss = loss * (factor * grad_scale) if factor else output.sum() * 0.0
             return self.amp_scaler.scale(loss) if self.amp_scaler is not None else loss
 
         tracer = self._timeline_recorder()
@@ -235,9 +245,12 @@ class PipelineRuntime:
             pipeline.train_step(sample, batch_size, num_microbatches, microbatch_loss, tracer)
         payload = None
         if pipeline.has_last_stage:
-            payload = (torch.stack(losses).mean(), recorder.reduce(module, metrics))
+            loss, scale = weighing.result()
+            payload = ((loss, torch.tensor(scale, dtype=torch.float64)), recorder.reduce(module, metrics))
+            self._warn_unweighted(weighing)
         with self._waiting_for_last_stage():
-            loss, entries = self._train_channel.share(payload)
+            (loss, scale), entries = self._train_channel.share(payload)
+        self.gradients.synchronise(float(scale))
         replay(module, entries, self.device, self.dp_group)
         if tracer is not None:
             self._report_timeline(tracer)
@@ -258,7 +271,7 @@ class PipelineRuntime:
         payload = None
         if pipeline.has_last_stage:
             recorder = LogRecorder()
-            recorder.rows = batch_size
+            recorder.start(batch_size)
             with recorder.installed(module):
                 result = program.run_answering(output, step, *args, **kwargs)
             if contains_ghost(result):
@@ -318,6 +331,13 @@ class PipelineRuntime:
                 " parameter of any pipeline stage requires a gradient, so the loss has nothing to train. Unfreeze"
                 " some parameters, or run `trainer.validate` instead of `fit`.)"
             )
+
+    def _warn_unweighted(self, weighing: LossWeighing) -> None:
+        """Warn once per run when the loss averages over a data-dependent count it is not weighted by."""
+        message = weighing.warning()
+        if message is not None and not self._mean_warned:
+            self._mean_warned = True
+            warn_once(message)
 
     def _waiting_for_last_stage(self) -> Any:
         rank = self.pipeline.last_stage_rank

@@ -44,8 +44,47 @@ def images(n: int = 32, seed: int = 0, size: int = 16, classes: int = 10) -> Ten
     return TensorDataset(torch.randn(n, 3, size, size, generator=g), torch.randint(0, classes, (n,), generator=g))
 
 
-def loader(name: str, n: int = 32, batch_size: int = 8, seed: int = 0) -> DataLoader:
-    """Data for the zoo model ``name``: images for the vision models, tokens (padded for ``rope``) otherwise."""
+def finetuning(n: int = 32, seed: int = 0, kind: str = "padded") -> list[dict[str, torch.Tensor]]:
+    """Rows as LLM fine-tuning has them, for :func:`pad_collate`: ``input_ids`` and ``labels`` (``-100`` where no
+    loss is taken).
+
+    - ``padded``: lengths from 3 to 16 tokens, so every batch pads to its own length; labels on every real token.
+    - ``prompt``: 12 tokens each, the first 2 to 11 of them a prompt whose labels are ``-100``; in rows 0 and 1 every
+      label is ``-100`` (a microbatch that holds no target at all).
+    """
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for i in range(n):
+        length = int(torch.randint(3, 17, (), generator=g)) if kind == "padded" else 12
+        ids = torch.randint(1, VOCAB, (length,), generator=g)
+        labels = ids.clone()
+        if kind == "prompt":
+            prompt = length if i < 2 else int(torch.randint(2, 12, (), generator=g))
+            labels[:prompt] = -100
+        rows.append({"input_ids": ids, "labels": labels})
+    return rows
+
+
+def pad_collate(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Pad a batch to its longest row, as a padding collator does: token 0, ``attention_mask`` 0, label ``-100``."""
+    length = max(len(r["input_ids"]) for r in rows)
+    batch = {
+        "input_ids": torch.zeros(len(rows), length, dtype=torch.long),
+        "attention_mask": torch.zeros(len(rows), length, dtype=torch.long),
+        "labels": torch.full((len(rows), length), -100, dtype=torch.long),
+    }
+    for i, r in enumerate(rows):
+        batch["input_ids"][i, : len(r["input_ids"])] = r["input_ids"]
+        batch["attention_mask"][i, : len(r["input_ids"])] = 1
+        batch["labels"][i, : len(r["labels"])] = r["labels"]
+    return batch
+
+
+def loader(name: str, n: int = 32, batch_size: int = 8, seed: int = 0, kind: Optional[str] = None) -> DataLoader:
+    """Data for the zoo model ``name``: images for the vision models, tokens (padded for ``rope``) otherwise, or
+    fine-tuning rows (:func:`finetuning`) of ``kind``."""
+    if kind is not None:
+        return DataLoader(finetuning(n, seed, kind), batch_size=batch_size, collate_fn=pad_collate)
     data = images(n, seed) if name in ("vit", "resnet") else tokens(n, seed, pad=name == "rope")
     return DataLoader(data, batch_size=batch_size)
 
@@ -110,6 +149,56 @@ class HFCausalLM(Lit):
 
     def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         return self(batch[0]).logits.argmax(-1)
+
+
+class HFFineTuned(HFCausalLM):
+    """A ``transformers`` causal LM fine-tuned on padded batches: ``attention_mask`` and ``-100`` labels."""
+
+    def loss(self, batch: Any) -> torch.Tensor:
+        return self.model(**batch).loss
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.argmax(-1)
+
+
+class MaskedLoss(Lit):
+    """A hand-written causal LM whose loss is a sum over the tokens with a label, divided by ``mask.sum()``.
+
+    ``num_items=True``: ``training_step`` also returns that count, the documented way to make it exact under the
+    pipeline; ``False``: it returns the loss alone, which the pipeline cannot weight (and warns about).
+    """
+
+    def __init__(self, layers: int = 4, num_items: bool = True, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.return_num_items = num_items
+        self.wte = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList([NanoBlock() for _ in range(layers)])
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.wte(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+    def sum_and_count(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self(batch["input_ids"])
+        mask = batch["labels"] != -100
+        per_token = F.cross_entropy(logits.flatten(0, 1), batch["labels"].clamp(min=0).flatten(), reduction="none")
+        return (per_token * mask.flatten()).sum(), mask.sum()
+
+    def loss(self, batch: Any) -> torch.Tensor:
+        total, count = self.sum_and_count(batch)
+        return total / count
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        total, count = self.sum_and_count(batch)
+        loss = total / count
+        self.log("train_loss", loss, prog_bar=True)
+        return {"loss": loss, "num_items": count} if self.return_num_items else loss
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self(batch["input_ids"]).argmax(-1)
 
 
 # ----------------------------------------------------------------------------------------------------- nanoGPT
@@ -429,6 +518,9 @@ class Albert(Lit):
 ZOO = {
     "hf_llama": lambda **kw: HFCausalLM("llama", **kw),
     "hf_gpt2": lambda **kw: HFCausalLM("gpt2", **kw),
+    "hf_llama_ft": lambda **kw: HFFineTuned("llama", **kw),
+    "hf_gpt2_ft": lambda **kw: HFFineTuned("gpt2", **kw),
+    "masked": MaskedLoss,
     "nanogpt": LitNanoGPT,
     "vit": LitVit,
     "resnet": LitResNet,
