@@ -130,10 +130,6 @@ def ghost_of(tensor: torch.Tensor, device: Optional[torch.device] = None, origin
     return Ghost(meta, device if device is not None else tensor.device, origin)
 
 
-def is_ghost(value: Any) -> bool:
-    return isinstance(value, Ghost)
-
-
 def contains_ghost(tree: Any) -> bool:
     """Whether any tensor in the pytree ``tree`` is a ghost."""
     return tree_any(lambda leaf: isinstance(leaf, Ghost), tree)

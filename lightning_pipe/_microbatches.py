@@ -58,10 +58,6 @@ class MicrobatchPolicy:
             batch_size, self.pipeline_parallel_size, self.stages_per_rank, self.schedule.name
         )
 
-    def accepted(self, num_microbatches: int) -> bool:
-        """Whether the schedule runs ``num_microbatches`` (a ragged batch may need a fallback schedule if not)."""
-        return self.schedule.accepts(num_microbatches, self.pipeline_parallel_size, self.stages_per_rank)
-
     def check_batch_size(self, batch_size: Any, split: str) -> None:
         """Raise, naming the fix, when a loader's ``batch_size`` is too small to split."""
         if not isinstance(batch_size, int):
