@@ -6,14 +6,14 @@ for its turn and moved back, so the whole backbone never has to fit on the devic
 backbone is counted with the first block and the code after it (head, the ``training_step`` loss) with the last,
 since those stages run it too: a cross-entropy over a large vocabulary costs as much as a block. Buffers (BatchNorm
 statistics) and the random number generators are restored afterwards, metrics are set aside and gradients are
-cleared: profiling leaves no trace in training. :func:`time_modules` times a plain list of modules the same way.
+cleared: profiling leaves no trace in training.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
@@ -166,44 +166,6 @@ class _Profiled(BlockCalls):
         return out
 
 
-def time_modules(
-    modules: list[nn.Module],
-    first_input: torch.Tensor,
-    device: torch.device,
-    repeats: int = 5,
-    warmup: int = 2,
-    context: Optional[Callable[[], AbstractContextManager]] = None,
-    loss: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
-) -> list[float]:
-    """Median seconds of forward + backward of each module, each fed the previous module's real output.
-
-    ``context`` makes the context each module runs in (e.g. the precision plugin's autocast). ``loss`` maps the
-    last module's output to the loss training back-propagates; its cost is counted in the last module's. Without
-    it, every module is back-propagated from the sum of its output.
-    """
-    require_real_weights(modules)
-    costs = []
-    x = first_input.to(device)
-    devices = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices, device_type=device.type):
-        for index, module in enumerate(modules):
-            home = next((t.device for t in module.parameters()), None) or next(
-                (t.device for t in module.buffers()), device
-            )
-            module.to(device)
-            saved = {name: b.detach().clone() for name, b in module.named_buffers()}
-            with context() if context is not None else nullcontext():
-                tail = loss if index == len(modules) - 1 else None
-                cost, x = _time_one(module, x, device, repeats, warmup, tail)
-            with torch.no_grad():
-                for name, b in module.named_buffers():
-                    b.copy_(saved[name])
-            module.zero_grad(set_to_none=True)
-            module.to(home)
-            costs.append(cost)
-    return costs
-
-
 def require_real_weights(modules: list[nn.Module]) -> None:
     """Timing needs real weights: refuse modules on the meta device, naming the fix."""
     if any(p.is_meta for m in modules for p in m.parameters()):
@@ -211,29 +173,6 @@ def require_real_weights(modules: list[nn.Module]) -> None:
             "`PipelineStrategy(balance='time')` times every module with its real weights, but the model is on the"
             " meta device. Use `balance='parameters'`, or build the model on a real device."
         )
-
-
-def _time_one(
-    module: nn.Module,
-    x: torch.Tensor,
-    device: torch.device,
-    repeats: int,
-    warmup: int,
-    loss: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
-):
-    times = []
-    for i in range(warmup + repeats):
-        inp = x.detach().requires_grad_(x.is_floating_point())
-        _sync(device)
-        start = time.perf_counter()
-        out = module(inp)
-        (loss(out) if loss is not None else out.float().sum()).backward()
-        _sync(device)
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-    with torch.no_grad():
-        out = module(x)
-    return statistics.median(times), out.detach()
 
 
 def _sync(device: torch.device) -> None:

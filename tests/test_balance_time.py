@@ -2,22 +2,56 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+from typing import Any
+
 import models
+import pytest
 import torch
 from helpers import assert_parity, reference, run_job
 from torch import nn
 
+from lightning_pipe._backbone import find_backbone
 from lightning_pipe._metrics import metrics_set_aside, module_metrics
-from lightning_pipe._profile import time_modules
+from lightning_pipe._microbatches import MicrobatchPolicy
+from lightning_pipe._profile import measure_backbone
+from lightning_pipe._structure import analyze
+from lightning_pipe.schedules import schedule_spec
+
+
+class Stack(nn.Module):
+    """A trunk of ``blocks`` and a loss after it, as ``balance="time"`` profiles a step (one block per module)."""
+
+    def __init__(self, *blocks: nn.Module, loss: Any = None) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+        self.loss = loss
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        h = batch
+        for block in self.blocks:
+            h = block(h)
+        return self.loss(h) if self.loss is not None else h.float().sum()
+
+
+def measure(net: Stack, x: torch.Tensor, repeats: int = 3) -> list[float]:
+    """What ``PipelineStrategy(balance="time")`` measures at setup (``_split.cut_module`` calls it), on one process,
+    one microbatch."""
+    backbone = find_backbone(net, "blocks")
+    structure = analyze(net, backbone, net.training_step, (x, 0), torch.device("cpu"), training=True)
+    return measure_backbone(
+        net, backbone, structure, net.training_step, x, device=torch.device("cpu"),
+        microbatches=MicrobatchPolicy(1, schedule_spec("GPipe"), 1, 1), step_context=nullcontext, repeats=repeats,
+    )
 
 
 def test_timing_leaves_no_trace():
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
+    net = Stack(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
     before = {k: v.clone() for k, v in net.state_dict().items()}
     x = torch.randn(32, 8)
     rng = torch.get_rng_state()
-    costs = time_modules(list(net), x, torch.device("cpu"), repeats=3, warmup=1)
+    costs = measure(net, x)
     assert len(costs) == 4 and all(c > 0 for c in costs)
     assert all(torch.equal(before[k], v) for k, v in net.state_dict().items())  # BatchNorm statistics included
     assert all(p.grad is None for p in net.parameters())
@@ -28,15 +62,14 @@ def test_the_loss_is_timed_with_the_last_module():
     """The last stage computes the loss too: a loss that takes 30 ms lands in the last module's cost, nowhere else."""
     import time
 
-    net = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
-    x = torch.randn(16, 8)
-
     def slow_loss(out: torch.Tensor) -> torch.Tensor:
         time.sleep(0.03)
         return out.square().mean()
 
-    plain = time_modules(list(net), x, torch.device("cpu"), repeats=3, warmup=1)
-    with_loss = time_modules(list(net), x, torch.device("cpu"), repeats=3, warmup=1, loss=slow_loss)
+    torch.manual_seed(0)
+    x = torch.randn(16, 8)
+    plain = measure(Stack(nn.Linear(8, 8), nn.Linear(8, 4), loss=lambda out: out.square().mean()), x)
+    with_loss = measure(Stack(nn.Linear(8, 8), nn.Linear(8, 4), loss=slow_loss), x)
     assert with_loss[1] >= 0.03 > plain[1]
     assert with_loss[0] < 0.03
 
@@ -59,11 +92,12 @@ def test_meta_model_is_refused_with_the_fix():
     import pytest
 
     with torch.device("meta"):
-        net = nn.Sequential(nn.Linear(4, 4))
+        net = Stack(nn.Linear(4, 4))
     with pytest.raises(ValueError, match="balance='parameters'"):
-        time_modules(list(net), torch.randn(2, 4), torch.device("cpu"))
+        measure(net, torch.randn(2, 4))
 
 
+@pytest.mark.dist
 def test_time_balance_agrees_across_ranks_and_stays_exact(tmp_path):
     """The profiled split is the same on every rank, exact, stored in the checkpoint, and reused on resume with
     ``balance=stored_balance(dir)``."""
