@@ -1,9 +1,11 @@
 """Every use of a private name of Lightning, torch or torchmetrics, and every patch, in one place.
 
-Each entry says why no public route exists and which versions it was checked against. Elsewhere the package uses
-public APIs only. When a supported release moves one of these names, this module is the one to change (and the
-torch range in ``pyproject.toml``). Module-level imports are torch only: ``lightning_pipe.timeline`` imports this
-module without Lightning.
+Each entry says why no public route exists and which versions it was checked against. :data:`PRIVATE_NAMES` lists
+every private name the package uses, these and the few that other modules reach for directly (``nn.Module``'s
+tables, pytree, the ghost tensor's subclass hooks, pruning's amount checks, the strategy's protected members), and
+``tests/test_compat.py`` checks that each exists. When a supported release moves one of these names, this module is
+the one to change (and the torch range in ``pyproject.toml``). Module-level imports are torch only:
+``lightning_pipe.timeline`` imports this module without Lightning.
 
 Lightning (checked against 2.6.6):
 
@@ -53,9 +55,6 @@ torch (checked against 2.13.0, 2.14.1 and 2.15.0; ``pyproject.toml`` pins ``<2.1
 - ``torch.distributed.ProcessGroupGloo._Options`` and the backend options' ``_timeout``: the only way to give the
   device mesh's sub-groups the strategy's ``timeout`` (``init_device_mesh`` otherwise creates them with 30 minutes;
   :func:`mesh_group_options`).
-
-- ``torch._subclasses.fake_tensor.FakeTensorMode``: the only way to run a module on fake tensors, to infer stage
-  output shapes without computing.
 - ``torch.distributed.checkpoint.default_planner._EmptyStateDictLoadPlanner`` and
   ``torch.distributed.checkpoint.state_dict_loader._load_state_dict``: read a DCP checkpoint into an empty state dict
   in one process (consolidation); without them, the public ``dcp.load`` reads into a template built from the index.
@@ -98,6 +97,98 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
+
+#: Every private name of Lightning, torch and torchmetrics the package reaches for, as ``(module, attribute path)``,
+#: whether through this module or directly (the modules that reach directly are named). An attribute an instance
+#: sets in its class's code counts as the class's. ``tests/test_compat.py`` looks up each one on the installed
+#: versions: the first test to run when a new Lightning or torch comes out. Names looked up only where they exist
+#: (``schedules._add_wait_send``, from torch 2.15) are not listed.
+PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
+    # Lightning: processes, the launcher, the strategy's protected members
+    ("lightning.fabric.utilities.distributed", "_init_dist_connection"),
+    ("lightning.fabric.utilities.distributed", "_destroy_dist_connection"),
+    ("lightning.fabric.utilities.distributed", "_get_default_process_group_backend_for_device"),
+    ("lightning.fabric.utilities.distributed", "_sync_ddp_if_available"),
+    ("lightning.fabric.utilities.distributed", "_distributed_is_initialized"),
+    ("lightning.fabric.utilities.optimizer", "_optimizers_to_device"),
+    ("lightning.pytorch.strategies.launchers.subprocess_script", "_SubprocessScriptLauncher"),
+    ("lightning.pytorch.strategies.launchers.subprocess_script", "_SubprocessScriptLauncher.procs"),
+    ("lightning.pytorch.strategies.launchers.subprocess_script", "_SubprocessScriptLauncher.kill"),
+    ("lightning.pytorch.strategies.strategy", "Strategy._launcher"),  # strategy.py
+    ("lightning.pytorch.strategies.strategy", "Strategy._precision_plugin"),  # strategy.py
+    ("lightning.pytorch.strategies.parallel", "ParallelStrategy._layer_sync"),  # strategy.py
+    ("lightning.pytorch.strategies.strategy", "Strategy._configure_launcher"),  # strategy.py
+    ("lightning.pytorch.core.module", "LightningModule._device_mesh"),
+    # Lightning: the running loop's loader, the samplers
+    ("lightning.pytorch.loops.fit_loop", "_FitLoop._data_source"),
+    ("lightning.pytorch.loops.evaluation_loop", "_EvaluationLoop._data_source"),
+    ("lightning.pytorch.loops.prediction_loop", "_PredictionLoop._data_source"),
+    ("lightning.pytorch.trainer.connectors.data_connector", "_DataLoaderSource.dataloader"),
+    ("lightning.pytorch.trainer.trainer", "Trainer._accelerator_connector"),
+    ("lightning.pytorch.trainer.connectors.accelerator_connector", "_AcceleratorConnector.use_distributed_sampler"),
+    ("lightning.pytorch.utilities.data", "_update_dataloader"),
+    # Lightning: built-in callbacks
+    ("lightning.pytorch.callbacks", "ModelSummary._summary"),  # _summary.py
+    ("lightning.pytorch.callbacks", "ThroughputMonitor._throughputs"),
+    ("lightning.pytorch.callbacks", "StochasticWeightAveraging._average_model"),
+    ("lightning.pytorch.callbacks", "StochasticWeightAveraging._clear_schedulers"),
+    ("lightning.pytorch.callbacks", "WeightAveraging._average_model"),
+    ("lightning.pytorch.callbacks", "WeightAveraging._use_buffers"),
+    ("lightning.pytorch.callbacks", "WeightAveraging._kwargs"),
+    ("lightning.pytorch.callbacks", "ModelPruning._parameters_to_prune"),
+    ("lightning.pytorch.callbacks", "ModelPruning._original_layers"),
+    ("lightning.pytorch.callbacks", "ModelPruning._use_global_unstructured"),
+    ("lightning.pytorch.callbacks", "ModelPruning._apply_global_pruning"),
+    ("lightning.pytorch.callbacks", "BaseFinetuning._restarting"),
+    ("lightning.pytorch.callbacks", "BaseFinetuning._internal_optimizer_metadata"),
+    # torch: process groups and distributed checkpoints
+    ("torch.distributed", "ProcessGroupGloo._Options"),
+    ("torch.distributed", "ProcessGroupGloo._Options._timeout"),
+    ("torch.distributed.checkpoint.default_planner", "_EmptyStateDictLoadPlanner"),
+    ("torch.distributed.checkpoint.state_dict_loader", "_load_state_dict"),
+    ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),  # checkpoint/_safe.py
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),  # checkpoint/_safe.py
+    ("torch.serialization", "_get_layout"),  # checkpoint/_safe.py
+    # torch: schedules (keep_forward_actions; the timeline's recorder)
+    ("torch.distributed.pipelining.schedules", "_Action.computation_type"),
+    ("torch.distributed.pipelining.schedules", "_Action.sub_actions"),
+    ("torch.distributed.pipelining.schedules", "PipelineScheduleMulti.pipeline_order"),
+    ("torch.distributed.pipelining.schedules", "PipelineScheduleMulti.stage_index_to_group_rank"),
+    ("torch.distributed.pipelining.schedules", "PipelineScheduleMulti._num_stages"),
+    ("torch.distributed.pipelining.schedules", "PipelineScheduleMulti._stages"),
+    ("torch.distributed.pipelining.schedules", "PipelineScheduleSingle._stage"),
+    ("torch.distributed.pipelining.schedules", "_PipelineScheduleRuntime.pipeline_order_with_comms"),
+    ("torch.distributed.pipelining.schedules", "_add_send_recv"),
+    ("torch.distributed.pipelining.schedules", "_batch_p2p"),
+    ("torch.distributed.pipelining.schedules", "_wait_batch_p2p"),
+    ("torch.distributed.pipelining.schedules", "_PipelineSchedule._maybe_compute_loss"),
+    ("torch.distributed.pipelining.schedules", "_PipelineSchedule._loss_fn"),
+    # torch: tensors and modules
+    ("torch.utils._pytree", "tree_any"),  # _ghost.py
+    ("torch.utils._pytree", "tree_map"),  # _ghost.py
+    ("torch.utils._pytree", "tree_leaves"),  # _ghost.py, _structure.py, _pipeline.py
+    ("torch", "Tensor._make_wrapper_subclass"),  # _ghost.py
+    ("torch._C", "_disabled_torch_function_impl"),  # _ghost.py
+    ("torch", "ops.aten._local_scalar_dense.default"),  # _ghost.py
+    ("torch", "_foreach_mul_"),  # _runtime.py
+    ("torch.nn", "Module._parameters"),  # _cut.py, _stage.py, _structure.py, _callbacks.py
+    ("torch.nn", "Module._buffers"),  # _cut.py, _stage.py, _structure.py
+    ("torch.nn", "Module._modules"),  # _backbone.py
+    ("torch.nn", "Module._non_persistent_buffers_set"),  # _cut.py
+    ("torch.nn.utils.prune", "_compute_nparams_toprune"),  # _callbacks.py
+    ("torch.nn.utils.prune", "_validate_pruning_amount"),  # _callbacks.py
+    ("torch.nn._reduction", "legacy_get_string"),  # _loss_weights.py
+    # torchmetrics: Metric.forward's state handling
+    ("torchmetrics", "Metric._defaults"),
+    ("torchmetrics", "Metric._update_count"),
+    ("torchmetrics", "Metric._forward_cache"),
+    ("torchmetrics", "Metric._computed"),
+    ("torchmetrics", "Metric._cache"),
+    ("torchmetrics", "Metric._is_synced"),
+    ("torchmetrics", "Metric._to_sync"),
+    ("torchmetrics", "Metric._should_unsync"),
+    ("torchmetrics", "Metric._reduce_states"),
+)
 
 # ---------------------------------------------------------------------------------------------------- Lightning
 
@@ -345,12 +436,6 @@ def logging_routed_to(module: Any, log: Callable[..., None]) -> Iterator[None]:
 
 
 # ------------------------------------------------------------------------------------------------------- torch
-
-
-def fake_tensor_mode(**kwargs: Any) -> Any:
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    return FakeTensorMode(**kwargs)
 
 
 def read_dcp_in_one_process(path: Any, keys: Optional[set[str]] = None, storage_reader: Any = None) -> dict[str, Any]:

@@ -1,0 +1,82 @@
+"""The private names of Lightning, torch and torchmetrics the package uses still exist on the installed versions.
+
+Run this first when a new Lightning, torch or torchmetrics comes out (``pytest tests/test_compat.py``): it names every
+listed private name (``lightning_pipe._compat.PRIVATE_NAMES``) that moved or disappeared, in one failure, in well
+under a second, without starting a process. Then see the entry for each in ``lightning_pipe/_compat.py``.
+
+A name is found when its module imports and every step of its attribute path resolves; the last step may also be an
+attribute that instances set, which counts when the source of the class (or of a base class) assigns it
+(``self.<name> = ...``): building a Trainer or a pipeline schedule only to look would take seconds, and instances of
+an abstract class cannot be built.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import re
+import sys
+from typing import Any
+
+from lightning_pipe._compat import PRIVATE_NAMES
+
+
+def _assigned_by_instances(cls: type, name: str) -> bool:
+    pattern = re.compile(
+        rf"self\.{re.escape(name)}\s*(:[^=\n]*)?=(?!=)"  # self.name = ... / self.name: T = ...
+        rf"|__setattr__\(\s*(self,\s*)?[\"']{re.escape(name)}[\"']"  # nn.Module's super().__setattr__("name", ...)
+    )
+    return any(pattern.search(_class_source(klass)) for klass in cls.__mro__)
+
+
+def _class_source(cls: type) -> str:
+    """The text of ``class <name>`` up to the next top-level statement in its module's file (``""`` without one).
+    Read directly: ``inspect.getsource`` parses the whole file each time, seconds for these classes."""
+    path = getattr(sys.modules.get(cls.__module__), "__file__", None)
+    if not path or not path.endswith(".py"):
+        return ""
+    text = _file_text(path)
+    start = re.search(rf"^class {re.escape(cls.__name__)}\b", text, re.MULTILINE)
+    if start is None:
+        return ""
+    end = re.compile(r"^[^\s#)]", re.MULTILINE).search(text, start.end())
+    return text[start.start() : end.start() if end else len(text)]
+
+
+@functools.lru_cache(maxsize=None)
+def _file_text(path: str) -> str:
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
+def _find(module_name: str, path: str) -> bool:
+    try:
+        target: Any = importlib.import_module(module_name)
+    except ImportError:
+        return False
+    parts = path.split(".")
+    for i, part in enumerate(parts):
+        if hasattr(target, part):
+            target = getattr(target, part)
+            continue
+        return i == len(parts) - 1 and isinstance(target, type) and _assigned_by_instances(target, part)
+    return True
+
+
+def test_every_private_name_still_exists():
+    missing = [f"{module}.{path}" for module, path in PRIVATE_NAMES if not _find(module, path)]
+    assert not missing, "private names missing on the installed versions (see lightning_pipe/_compat.py):\n" + (
+        "\n".join(missing)
+    )
+
+
+def test_the_lookup_finds_what_it_should_and_only_that():
+    """The check itself: a class attribute, an attribute set in ``__init__`` (also through a base class), and names
+    that do not exist."""
+    assert _find("lightning.pytorch.callbacks", "ModelPruning._apply_global_pruning")  # a method
+    assert _find("torchmetrics", "Metric._update_count")  # set in Metric.__init__
+    assert _find("torchmetrics.classification", "MulticlassAccuracy._update_count")  # ... of a base class
+    assert _find("torch.nn", "Linear._parameters")  # set by nn.Module.__init__ through __setattr__
+    assert not _find("torchmetrics", "Metric._no_such_state")
+    assert not _find("torch.nn", "Module._parameters.missing")
+    assert not _find("lightning.pytorch.no_such_module", "Anything")
