@@ -13,8 +13,8 @@ Two things differ from one process, where every gradient is local:
 
 :func:`pipeline_precision` returns a copy of the user's plugin whose class is a subclass of the user's class with
 these two methods replaced, so Lightning, callbacks and checkpoints still see the class they expect (its
-``__qualname__`` is the user's: the plugin's state is saved under the usual key). The user's own instance is not
-changed.
+``__qualname__`` is the user's: the plugin's state is saved under the usual key; :mod:`lightning_pipe._subclass`).
+The user's own instance is not changed.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from lightning.pytorch.plugins.precision import Precision
 from torch import nn
 from torch.optim import Optimizer
 
-_variants: dict[type, type] = {}
+from lightning_pipe._subclass import copy_with_mixin
 
 
 class PipelinePrecision:
@@ -69,15 +69,7 @@ def pipeline_precision(plugin: Precision) -> Precision:
     if it already has them)."""
     if isinstance(plugin, PipelinePrecision):
         return plugin
-    cls = type(plugin)
-    variant = _variants.get(cls)
-    if variant is None:
-        variant = type(cls.__name__, (PipelinePrecision, cls), {"__qualname__": cls.__qualname__})
-        variant.__module__ = cls.__module__
-        _variants[cls] = variant
-    copy = variant.__new__(variant)
-    copy.__dict__.update(plugin.__dict__)
-    return copy
+    return copy_with_mixin(plugin, PipelinePrecision)
 
 
 def global_grad_norm(

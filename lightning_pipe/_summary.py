@@ -14,6 +14,8 @@ from lightning.pytorch.callbacks import ModelSummary as ModelSummaryCallback
 from lightning.pytorch.utilities.model_summary import LayerSummary, ModelSummary
 from torch import nn
 
+from lightning_pipe._subclass import copy_with_mixin
+
 #: ``{module path: (parameters, trainable parameters)}``, ``""`` for the whole model.
 Counts = dict[str, tuple[int, int]]
 
@@ -56,27 +58,23 @@ class PipelineModelSummary(ModelSummary):
         return self._counts[""][1]
 
 
-_variants: dict[type, type] = {}
+class _WholeModelSummary:
+    """Mixed in front of the user's summary callback class by :func:`summarize_whole_model`."""
+
+    _lp_counts: Counts
+    _max_depth: int
+
+    def _summary(self, trainer: Any, pl_module: Any) -> ModelSummary:
+        return PipelineModelSummary(pl_module, self._lp_counts, max_depth=self._max_depth)
 
 
 def summarize_whole_model(callbacks: list[Any], counts: Counts) -> list[Any]:
-    """``callbacks`` with each ``ModelSummary`` callback replaced by a copy that summarises the whole model."""
+    """``callbacks`` with each ``ModelSummary`` callback replaced by a copy that summarises the whole model (its class
+    named like the user's: :mod:`lightning_pipe._subclass`)."""
     result = []
     for callback in callbacks:
         if isinstance(callback, ModelSummaryCallback) and not hasattr(callback, "_lp_counts"):
-            cls = type(callback)
-            variant = _variants.get(cls)
-            if variant is None:
-
-                def _summary(self: Any, trainer: Any, pl_module: Any) -> ModelSummary:
-                    return PipelineModelSummary(pl_module, self._lp_counts, max_depth=self._max_depth)
-
-                variant = type(cls.__name__, (cls,), {"_summary": _summary, "__qualname__": cls.__qualname__})
-                variant.__module__ = cls.__module__
-                _variants[cls] = variant
-            copy = variant.__new__(variant)
-            copy.__dict__.update(callback.__dict__)
-            copy._lp_counts = counts
-            callback = copy
+            callback = copy_with_mixin(callback, _WholeModelSummary)
+            callback._lp_counts = counts
         result.append(callback)
     return result
