@@ -23,7 +23,7 @@ class ScheduleSpec:
         min_microbatches: ``"any"``, ``"per_rank"`` (``m >= p``, 1F1B) or ``"per_stage"`` (``m >= p * v``,
             DualPipeV).
         rounds_rule: torch also needs ``m % max(1, m // p) == 0`` (the interleaved schedules' rounds).
-        textbook_bubble: its idle fraction is ``(p - 1) / (v * m + p - 1)``, the bubble the timeline compares with.
+        textbook_bubble: its idle fraction is :func:`textbook_bubble_fraction`, the bubble the timeline compares with.
         planned: the planner's cost model covers it.
         strategy_names: the names it is registered under, for ``Trainer(strategy=...)``.
     """
@@ -84,6 +84,14 @@ SCHEDULES: dict[str, ScheduleSpec] = {
 
 #: Schedules selectable by name, in the order the documentation lists them.
 SCHEDULE_NAMES = tuple(SCHEDULES)
+
+
+def textbook_bubble_fraction(pipeline_parallel_size: int, num_microbatches: int, stages_per_rank: int = 1) -> float:
+    """The idle fraction of a step of GPipe/1F1B, ``(p - 1) / (m + p - 1)``, and of interleaved 1F1B with ``v``
+    stages per process, ``(p - 1) / (v * m + p - 1)``, for equal stage times and free communication: what the planner
+    predicts and what the timeline compares its measured bubble with."""
+    p, m, v = pipeline_parallel_size, num_microbatches, stages_per_rank
+    return (p - 1) / (v * m + p - 1)
 
 
 def schedule_spec(name: str) -> ScheduleSpec:

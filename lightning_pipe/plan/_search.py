@@ -15,7 +15,7 @@ from lightning_pipe._microbatches import check_positive, divisors, valid_num_mic
 from lightning_pipe.partition import split_sizes
 from lightning_pipe.plan._model import backbone_profile
 from lightning_pipe.plan._result import Plan, format_bytes
-from lightning_pipe.schedules import SCHEDULES
+from lightning_pipe.schedules import SCHEDULES, textbook_bubble_fraction
 
 if TYPE_CHECKING:
     from torch import nn
@@ -176,7 +176,7 @@ def _all_plans(
                 if not valid_num_microbatches(m, p, v, schedule):
                     continue
                 step = (v * m + p - 1) * (c_max * b / m + overhead)
-                bubble = (p - 1) / (v * m + p - 1)
+                bubble = textbook_bubble_fraction(p, m, v)
                 memory = state = activation = None
                 fits = True
                 if measured:

@@ -8,7 +8,8 @@ stage). :func:`report` does all of it; :func:`timeline_metrics` flattens a summa
 :class:`TimelineOptions` is what ``PipelineStrategy(timeline=...)`` traces and where it writes.
 
 The event vocabulary the recorder shares (``Event``, :data:`COMPUTE_CATS`, the letters of the compute kinds) is
-defined here, so this module imports nothing from the recorder. It needs only torch (and matplotlib for the PNG).
+defined here, so this module imports nothing from the recorder. It needs only torch (and matplotlib for the PNG) and
+the schedule table (:mod:`lightning_pipe.schedules`, no imports of its own).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 import torch.distributed as dist
+
+from lightning_pipe.schedules import textbook_bubble_fraction
 
 #: Event categories that count as busy (compute) time. ``comm`` and ``step`` do not.
 COMPUTE_CATS = ("forward", "loss", "backward", "backward_input", "backward_weight")
@@ -128,9 +131,9 @@ def _union(events: list[Event]) -> float:
 
 def ideal_bubble_fraction(num_ranks: int, num_microbatches: int, stages_per_rank: int = 1) -> float:
     """The textbook bubble of GPipe/1F1B, ``(p - 1) / (m + p - 1)``, and of interleaved 1F1B with ``v`` stages per
-    rank, ``(p - 1) / (v * m + p - 1)``, for equal stage times and free communication."""
-    p, m, v = num_ranks, num_microbatches, stages_per_rank
-    return (p - 1) / (v * m + p - 1)
+    rank, ``(p - 1) / (v * m + p - 1)``, for equal stage times and free communication (the planner's too:
+    :func:`lightning_pipe.schedules.textbook_bubble_fraction`)."""
+    return textbook_bubble_fraction(num_ranks, num_microbatches, stages_per_rank)
 
 
 _COMM_TID = "comm"
