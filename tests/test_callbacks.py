@@ -32,6 +32,8 @@ import pytest
 import torch
 from helpers import run_script
 
+pytestmark = pytest.mark.dist
+
 HERE = Path(__file__).resolve().parent
 ATOL = 1e-4  # AdamW; the runs agree to about 5e-7
 PIPE = {"num_microbatches": 4}

@@ -165,6 +165,7 @@ def four_processes(work, saved) -> tuple[subprocess.CompletedProcess, Path]:
 
 
 # ---------------------------------------------------------------------------------------------------- 1. exact resume
+@pytest.mark.dist
 def test_exact_resume(saved, reference):
     out = saved["out"]
     trained = results(out, "train", 2)
@@ -179,16 +180,19 @@ def test_exact_resume(saved, reference):
 
 
 # --------------------------------------------------------------------------------------------------- 2. other layouts
+@pytest.mark.dist
 def test_resume_with_another_balance(saved, reference):
     resumed = results(saved["out"], "balance", 2)
     assert sorted(k.split(".")[1] for k in resumed[1]["state_dict"])[0] == "5"  # rank 1 now holds modules 5..6
     assert_resumed(resumed, reference["straight"])
 
 
+@pytest.mark.dist
 def test_resume_on_one_process(one_process, reference):
     assert_resumed(results(one_process, "single", 1), reference["straight"])
 
 
+@pytest.mark.dist
 def test_resume_on_four_processes(four_processes, reference):
     proc, out = four_processes
     assert (out / "four.rank3.pt").exists(), proc.stdout[-6000:]
@@ -198,6 +202,7 @@ def test_resume_on_four_processes(four_processes, reference):
 
 
 # ------------------------------------------------------------------------------------------------- 3. ModelCheckpoint
+@pytest.mark.dist
 def test_model_checkpoint_directories(saved, reference):
     train = results(saved["out"], "train", 2)[0]
     listing = train["listings"]
@@ -215,10 +220,12 @@ def test_model_checkpoint_directories(saved, reference):
     assert not [p for d in (saved["topk"], saved["epochs"]) for p in d.iterdir() if not p.name.endswith(".ckpt")]
 
 
+@pytest.mark.dist
 def test_resume_from_last(saved, reference):
     assert_resumed(results(saved["out"], "resume_last", 2), reference["straight"])
 
 
+@pytest.mark.dist
 def test_save_last_as_a_link(saved, reference):
     """``save_last="link"``: ``last.ckpt`` is a symlink to the newest complete directory, and resumes exactly."""
     last = saved["linked"] / "last.ckpt"
@@ -227,11 +234,13 @@ def test_save_last_as_a_link(saved, reference):
     assert_resumed(results(saved["out"], "resume_link", 2), reference["straight"])
 
 
+@pytest.mark.dist
 def test_resume_from_manual_save(one_process, reference):
     assert_resumed(results(one_process, "manual", 1), reference["straight"])
 
 
 # -------------------------------------------------------------------------------------------------- 4. single file in
+@pytest.mark.dist
 def test_single_device_file_into_pipeline(saved, reference, work):
     plain = torch.load(work / "plain.ckpt", weights_only=False)["state_dict"]
     resumed = results(saved["out"], "plain", 2)
@@ -244,6 +253,7 @@ def test_single_device_file_into_pipeline(saved, reference, work):
 
 
 # --------------------------------------------------------------------------------------------------- 5. consolidation
+@pytest.mark.dist
 def test_consolidate_cli(saved, reference, work):
     out_file = work / "consolidated.ckpt"
     proc = subprocess.run(
@@ -290,6 +300,7 @@ def test_consolidate_help_and_errors(capsys, tmp_path):
 
 
 # -------------------------------------------------------------------------------------------- 6. load_from_checkpoint
+@pytest.mark.dist
 def test_load_from_checkpoint_on_a_directory(saved, tmp_path):
     model = lightning_pipe.load_from_checkpoint(models.TinyLM, saved["manual"])  # consolidated in memory
     trained = merged_state(results(saved["out"], "train", 2))
@@ -304,6 +315,7 @@ def test_load_from_checkpoint_on_a_directory(saved, tmp_path):
 
 
 # -------------------------------------------------------------------------------------------------------- 7. mismatch
+@pytest.mark.dist
 def test_mismatched_model_fails_on_every_rank(four_processes):
     proc, out = four_processes
     for rank in range(4):
@@ -317,6 +329,7 @@ def test_mismatched_model_fails_on_every_rank(four_processes):
         assert "rank 0: missing" not in text and "rank 1: missing" not in text
 
 
+@pytest.mark.dist
 def test_validate_from_a_weights_only_checkpoint(one_process, saved, reference):
     """``ModelCheckpoint(save_weights_only=True)`` directories: no optimizer entries, and `validate` loads them."""
     meta = torch.load(saved["weights"] / "meta.pt", weights_only=False)
@@ -333,6 +346,7 @@ def test_validate_from_a_weights_only_checkpoint(one_process, saved, reference):
     assert diff < ATOL, diff
 
 
+@pytest.mark.dist
 def test_damaged_shard_gives_a_clear_error(one_process):
     text = (one_process / "corrupt.rank0.error.txt").read_text()
     assert "Reading checkpoint" in text and "damaged or incomplete" in text and "rank 0: EOFError" in text, text
@@ -349,6 +363,7 @@ def test_incomplete_directory_is_refused(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------- 8. crash safety
+@pytest.mark.dist
 def test_killed_save_keeps_previous_checkpoint(work, reference):
     crash_dir = work / "crash"
     callback = {"dirpath": str(crash_dir), "filename": "{epoch}", "every_n_epochs": 1, "save_top_k": -1,
@@ -375,6 +390,7 @@ def test_killed_save_keeps_previous_checkpoint(work, reference):
     assert_resumed([resumed], reference["straight"])
 
 
+@pytest.mark.dist
 def test_commit_replaces_and_interrupted_replace_falls_back(saved, tmp_path):
     """The rename window of overwriting a checkpoint: the old one is moved aside and loading finds it."""
     target = tmp_path / "last.ckpt"
@@ -391,6 +407,7 @@ def test_commit_replaces_and_interrupted_replace_falls_back(saved, tmp_path):
         assert _files.resolve(target) == tmp_path / ("last.ckpt" + OLD_SUFFIX)
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("kind", ["file", "link"])
 def test_commit_over_a_file_or_link_puts_it_back_if_the_rename_fails(saved, tmp_path, kind):
     """What another strategy (a file) or `save_last="link"` (a link) left at the path survives a failed commit, and

@@ -121,6 +121,7 @@ def test_bad_arguments_fail_at_construction(kwargs, match):
         PipelineStrategy(**kwargs)
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize(
     ("case", "match"),
     [
@@ -140,6 +141,7 @@ def test_setup_errors_reach_every_rank_without_hanging(case, match, tmp_path):
     assert time.monotonic() - start < 60
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("case", ["raise-last", "raise-first"])
 def test_an_exception_in_one_stage_ends_the_job(case, tmp_path):
     start = time.monotonic()

@@ -18,6 +18,8 @@ import pytest
 import torch
 from helpers import merged_state, run_script
 
+pytestmark = pytest.mark.dist
+
 HERE = Path(__file__).resolve().parent
 EVAL_JOB = HERE / "eval_job.py"
 ATOL = 1e-5

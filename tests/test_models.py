@@ -27,6 +27,8 @@ import zoo
 import zoo_job
 from helpers import merged_state, run_script
 
+pytestmark = pytest.mark.dist
+
 HERE = Path(__file__).resolve().parent
 ATOL = 1e-5
 RESNET = {"backbone": ["model.layer1", "model.layer2", "model.layer3", "model.layer4"]}

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 from helpers import assert_parity, reference, run_job
 
+pytestmark = pytest.mark.dist
+
 BASE = {
     "data": {"n": 48, "batch_size": 8},
     "trainer": {"max_epochs": 2},

@@ -259,6 +259,7 @@ def _write_config(tmp_path, **trainer):
     return str(path)
 
 
+@pytest.mark.dist
 def test_cli_in_process(tmp_path, capsys):
     config = _write_config(tmp_path, devices=4, strategy="pipeline")
     assert (
@@ -279,6 +280,7 @@ def test_cli_in_process(tmp_path, capsys):
     assert "--memory-budget" in capsys.readouterr().out
 
 
+@pytest.mark.dist
 def test_cli_subprocess_prints_a_plan(tmp_path):
     config = _write_config(tmp_path, devices=4, num_nodes=1)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, ROOT, os.environ.get("PYTHONPATH", "")]))
@@ -313,6 +315,7 @@ def test_nominal_target_is_accepted_by_every_schedule():
     assert microbatch_target(1, 2, "DualPipeV") == 2
 
 
+@pytest.mark.dist
 def test_cli_reads_the_replicas_of_the_config(tmp_path, capsys):
     strategy = "\n    class_path: lightning_pipe.PipelineStrategy\n    init_args:\n      data_parallel_size: 2"
     config = _write_config(tmp_path, devices=4, strategy=strategy)

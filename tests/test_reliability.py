@@ -31,6 +31,7 @@ def run_case(case: str, tmp_path: Path, timeout: float = 120) -> subprocess.Comp
     return run_script([str(JOB), case, str(tmp_path / "out")], cwd=tmp_path, timeout=timeout)
 
 
+@pytest.mark.dist
 def test_one_replica_keeps_the_loader_order_and_shuffles_alike(tmp_path):
     proc = run_case("order", tmp_path)
     assert proc.returncode == 0, proc.stdout[-6000:]
@@ -43,6 +44,7 @@ def test_one_replica_keeps_the_loader_order_and_shuffles_alike(tmp_path):
     assert sorted(sum(epoch1, [])) == sorted(sum(sequential, []))
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize(
     ("case", "cause"),
     [("different-data", "values and row order"), ("different-iterable", "values")],
@@ -58,6 +60,7 @@ def test_stages_given_different_batches_fail_on_every_rank(case, cause, tmp_path
     assert time.monotonic() - start < 60
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize(
     ("case", "expected"),
     [
@@ -89,6 +92,7 @@ def _alive(pids: list[int]) -> list[int]:
     return alive
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("target", ["process-group", "rank-0"])
 def test_sigterm_ends_every_rank_while_one_is_blocked_in_a_transfer(target, tmp_path):
     """Rank 0 hangs in Python before batch 2's send; rank 1 waits in gloo's receive. SIGTERM, to every process (as

@@ -160,6 +160,7 @@ def job(tmp_path_factory) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------------------------------- 1. failed saves
+@pytest.mark.dist
 def test_failed_overwrite_during_fit_keeps_the_previous_checkpoint(job):
     """Rank 1's shard cannot be written while ``last.ckpt`` (step 2) is replaced at step 4: the fit fails on both
     ranks at once, saying so; ``last.ckpt`` is still step 2's and loads; nothing half-written is left."""
@@ -177,6 +178,7 @@ def test_failed_overwrite_during_fit_keeps_the_previous_checkpoint(job):
     assert all(torch.equal(v, step2["state_dict"][k]) for k, v in last["state_dict"].items())
 
 
+@pytest.mark.dist
 def test_failed_manual_saves_lose_nothing(job):
     """Each half-way failure is raised on both ranks, at once; the model and optimizer states are unchanged by it;
     the checkpoint it was replacing is still there, whole; and saving works again afterwards."""
@@ -210,6 +212,7 @@ def test_failed_manual_saves_lose_nothing(job):
 
 
 # -------------------------------------------------------------------------------------------- 2. resume, every rank
+@pytest.mark.dist
 @pytest.mark.parametrize("case", list(LOAD_CASES))
 def test_resume_from_a_bad_checkpoint_fails_on_every_rank(job, case):
     kind, needles = LOAD_CASES[case]
@@ -224,6 +227,7 @@ def test_resume_from_a_bad_checkpoint_fails_on_every_rank(job, case):
     assert_no_payload_ran(job["bad"])
 
 
+@pytest.mark.dist
 def test_trusted_resume_loads_a_custom_object(job):
     """Trusting a checkpoint (``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1``, as for ``torch.load``) loads what weights-only
     loading refuses."""
@@ -237,6 +241,7 @@ def test_trusted_resume_loads_a_custom_object(job):
 
 
 # ------------------------------------------------------------------------------------ 3. the one-process loaders
+@pytest.mark.dist
 def test_load_from_checkpoint_refuses_planted_files(job):
     bad = job["bad"]
     for case, needle in (
@@ -252,6 +257,7 @@ def test_load_from_checkpoint_refuses_planted_files(job):
     assert_no_payload_ran(bad)
 
 
+@pytest.mark.dist
 def test_load_from_checkpoint_custom_object_needs_weights_only_false(job):
     custom = job["bad"] / "custom_object.ckpt"
     with pytest.raises(UnsafeCheckpointError, match="`fractions.Fraction`.*weights_only=False"):
@@ -261,6 +267,7 @@ def test_load_from_checkpoint_custom_object_needs_weights_only_false(job):
     assert all(torch.equal(v, want[k]) for k, v in model.state_dict().items())
 
 
+@pytest.mark.dist
 def test_load_from_checkpoint_on_bad_files(job):
     bad = job["bad"]
     for case in ("missing_index", "missing_meta", f"interrupted.ckpt{TMP_SUFFIX}"):
@@ -278,6 +285,7 @@ def test_load_from_checkpoint_on_bad_files(job):
         assert needle in str(info.value), str(info.value)
 
 
+@pytest.mark.dist
 def test_consolidate_refuses_planted_and_bad_files(job, capsys):
     bad, out = job["bad"], job["work"] / "consolidated.ckpt"
     for case, needle in (
@@ -305,6 +313,7 @@ def test_consolidate_refuses_planted_and_bad_files(job, capsys):
     assert torch.load(out, weights_only=False)["user_state"] == fractions.Fraction(1, 3)
 
 
+@pytest.mark.dist
 def test_stored_balance_reads_meta_pt_weights_only(job):
     bad = job["bad"]
     assert stored_balance(job["good"]) == [4, 3]
@@ -319,6 +328,7 @@ def test_stored_balance_reads_meta_pt_weights_only(job):
     assert_no_payload_ran(bad)
 
 
+@pytest.mark.dist
 def test_interrupted_save_is_never_a_checkpoint(job):
     tmp = job["bad"] / f"interrupted.ckpt{TMP_SUFFIX}"
     assert (tmp / META_FILENAME).is_file() and (tmp / ".metadata").is_file()  # complete contents, still refused
@@ -348,6 +358,7 @@ def admitted(name: str) -> bool:
     return module == "torch" and isinstance(getattr(torch, attr, None), torch.dtype)
 
 
+@pytest.mark.dist
 def test_index_of_a_real_checkpoint_reads_as_torch_reads_it(job):
     raw = (job["good"] / ".metadata").read_bytes()
     assert all(admitted(name) for name in recorded_globals(raw)), recorded_globals(raw)
@@ -395,6 +406,7 @@ def test_index_admits_everything_this_torch_writes(tmp_path):
     assert safe["extra"] == plain["extra"] == {**state["extra"], "betas": (0.9, 0.999)}
 
 
+@pytest.mark.dist
 def test_index_refusals_and_the_user_allow_list(tmp_path, job):
     index = load_dcp_metadata(job["good"] / ".metadata")
     index.planner_data["user"] = fractions.Fraction(1, 3)
@@ -421,6 +433,7 @@ def test_index_refusals_and_the_user_allow_list(tmp_path, job):
         load_dcp_metadata(tmp_path / ".metadata")
 
 
+@pytest.mark.dist
 def test_meta_pt_admits_argparse_namespace(tmp_path, job):
     """What ``save_hyperparameters`` may store for an argparse configuration loads weights-only."""
     import argparse
@@ -435,6 +448,7 @@ def test_meta_pt_admits_argparse_namespace(tmp_path, job):
         assert any(b"Namespace" in z.read(n) for n in z.namelist() if n.endswith("data.pkl"))
 
 
+@pytest.mark.dist
 def test_one_process_reader_without_torch_private_names(job, monkeypatch):
     """Consolidation's fallback for a torch without ``_EmptyStateDictLoadPlanner`` reads the same entries."""
     import torch.distributed.checkpoint.default_planner as default_planner

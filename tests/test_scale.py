@@ -9,10 +9,13 @@ import subprocess
 import sys
 
 import models
+import pytest
 import torch
 from helpers import JOB, assert_parity, merged_state, reference, run_job
 
 from lightning_pipe._stage import materialize
+
+pytestmark = pytest.mark.dist
 
 
 def test_pipeline_times_data_parallel_equals_ddp(tmp_path):

@@ -341,6 +341,7 @@ def run_traced(
     return result, ranks, proc.stdout
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("schedule, stages_per_rank, extra, env", TRACED_CASES)
 def test_traced_step_records_every_microbatch(
@@ -403,6 +404,7 @@ def test_module_has_no_wrappers_installed_at_import():
 
 
 # ---------------------------------------------------------------------------------------------- through the Trainer
+@pytest.mark.dist
 @pytest.mark.timeout(120)
 def test_strategy_timeline_writes_files_and_logs(tmp_path: Path):
     import csv

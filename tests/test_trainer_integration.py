@@ -5,11 +5,13 @@ from __future__ import annotations
 import csv
 
 import lightning as L
+import pytest
 from helpers import HERE, assert_parity, reference, run_job, run_script
 
 from lightning_pipe import PipelineStrategy
 
 
+@pytest.mark.dist
 def test_loggers_on_rank_zero_record_full_batch_values(tmp_path):
     spec = {
         "devices": 2,
@@ -30,6 +32,7 @@ def test_loggers_on_rank_zero_record_full_batch_values(tmp_path):
     assert list((tmp_path / "out" / "tb").rglob("events.out.tfevents*"))
 
 
+@pytest.mark.dist
 def test_training_step_metric_logs_each_batch_value(tmp_path):
     """A torchmetrics accuracy called in ``training_step`` and logged with ``on_step`` and ``on_epoch``: the step
     value is the whole batch's accuracy, as on one device (the last stage runs the step per microbatch, and a
@@ -53,6 +56,7 @@ def test_training_step_metric_logs_each_batch_value(tmp_path):
     assert_parity(results, ref)
 
 
+@pytest.mark.dist
 def test_distributed_sampler_gives_every_stage_the_ddp_order(tmp_path):
     spec = {"data": {"n": 48, "batch_size": 8, "shuffle": True}, "trainer": {"max_epochs": 2},
             "use_distributed_sampler": True}
@@ -65,6 +69,7 @@ def test_distributed_sampler_gives_every_stage_the_ddp_order(tmp_path):
     assert max((merged[k] - ddp[0]["state_dict"][k]).abs().max().item() for k in merged) < 1e-5
 
 
+@pytest.mark.dist
 def test_lightning_cli_by_name_and_by_class_path(tmp_path):
     app = str(HERE / "cli_app.py")
     shown = run_script([app, "fit", "--trainer.strategy", "pipeline", "--print_config"], cwd=tmp_path, timeout=60)
@@ -101,6 +106,7 @@ def test_registered_names_resolve_to_the_strategy():
     PipelineStrategy.register_strategies(__import__("lightning.pytorch.strategies", fromlist=["x"]).StrategyRegistry)
 
 
+@pytest.mark.dist
 def test_ragged_last_batch_trains_like_single_device(tmp_path):
     # 44 samples in batches of 8: the last batch has 4 rows, fewer than... and not divisible by 8 microbatches
     spec = {"devices": 2, "strategy": {"num_microbatches": 8}, "data": {"n": 44, "batch_size": 8},
@@ -108,12 +114,14 @@ def test_ragged_last_batch_trains_like_single_device(tmp_path):
     assert_parity(run_job(spec, tmp_path), reference(spec, tmp_path))
 
 
+@pytest.mark.dist
 def test_single_process_pipeline_matches_plain_lightning(tmp_path):
     spec = {"devices": 1, "strategy": {"num_microbatches": 4}, "data": {"n": 32, "batch_size": 8},
             "trainer": {"max_epochs": 1, "gradient_clip_val": 0.05}}
     assert_parity(run_job(spec, tmp_path), reference(spec, tmp_path))
 
 
+@pytest.mark.dist
 def test_auto_microbatches_adapt_to_each_batch_and_stay_exact(tmp_path):
     spec = {"devices": 2, "strategy": {"num_microbatches": "auto", "schedule": "Interleaved1F1B"},
             "data": {"n": 44, "batch_size": 8}, "trainer": {"max_epochs": 1}}
