@@ -1,0 +1,280 @@
+"""Fast in-process unit tests of the core pieces, on tiny models, in one process: where the cut puts every tensor,
+the step program's modes, the parameter groups' alignment and the global gradient norm. No process is started; a
+gloo group of size 1 stands in for the pipeline where the code needs one."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from lightning.pytorch.callbacks import BaseFinetuning
+from lightning.pytorch.plugins.precision import Precision
+from torch import nn
+
+from lightning_pipe import _compat
+from lightning_pipe._backbone import find_backbone
+from lightning_pipe._callbacks import align_param_groups
+from lightning_pipe._cut import Cut
+from lightning_pipe._ghost import Ghost
+from lightning_pipe._precision import global_grad_norm, pipeline_precision
+from lightning_pipe._program import StepProgram
+from lightning_pipe._structure import analyze
+from lightning_pipe.partition import make_layout
+
+VOCAB, DIM, SEQ, BATCH = 11, 6, 5, 6
+CPU = torch.device("cpu")
+
+
+# ------------------------------------------------------------------------------------------------ a tiny model
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(DIM, DIM)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + torch.tanh(self.lin(h))
+
+
+class Positions(nn.Module):
+    """A buffer in a module without parameters (like a rotary table): every stage computes it from the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("table", torch.linspace(0, 1, SEQ * DIM).view(SEQ, DIM))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.table[: x.shape[1]]
+
+
+class Net(nn.Module):
+    """Before the trunk: an embedding (a module the step calls), a class vector (a parameter the step reads) and a
+    position table; the trunk: ``blocks``; after it: a norm and a head.
+
+    Args:
+        tied: the head's weight is the embedding's.
+        reused: the trunk runs its first block again at the end (``blocks.0`` is ``blocks.3``).
+        vector_after: the class vector is read after the trunk too.
+    """
+
+    def __init__(self, tied: bool = False, reused: bool = False, vector_after: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.vector = nn.Parameter(torch.randn(DIM))
+        self.positions = Positions()
+        blocks = [Block() for _ in range(4)]
+        if reused:
+            blocks[3] = blocks[0]
+        self.blocks = nn.ModuleList(blocks)
+        self.norm = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, VOCAB)
+        if tied:
+            self.head.weight = self.embed.weight
+        self.vector_after = vector_after
+
+    def before(self, x: torch.Tensor) -> torch.Tensor:
+        return self.embed(x) + self.vector + self.positions(x)
+
+    def after(self, h: torch.Tensor) -> torch.Tensor:
+        h = self.norm(h)
+        return self.head(h + self.vector if self.vector_after else h)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        h = self.before(x)
+        for block in self.blocks:
+            h = block(h)
+        return F.cross_entropy(self.after(h).flatten(0, 1), y.flatten())
+
+
+def batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(VOCAB, (BATCH, SEQ), generator=g), torch.randint(VOCAB, (BATCH, SEQ), generator=g)
+
+
+def cut_of(model: Net, pipeline_size: int = 2, stages_per_rank: int = 1) -> Cut:
+    """The cut ``PipelineStrategy.setup`` makes (``_split.cut_module``), 4 blocks split evenly, before ``keep_only``."""
+    backbone = find_backbone(model, "blocks")
+    structure = analyze(model, backbone, model.training_step, (batch(), 0), CPU, training=True)
+    return Cut(model, backbone, structure, make_layout([1.0] * 4, pipeline_size, stages_per_rank))
+
+
+def stages_by_path(cut: Cut) -> dict[str, set[int]]:
+    return {path: set(reg.stages) for reg in cut.registrations for path in reg.paths}
+
+
+# ------------------------------------------------------------------------------------------------ Cut placement
+def test_cut_places_before_inside_and_after_the_trunk():
+    cut = cut_of(Net())
+    assert stages_by_path(cut) == {
+        "embed.weight": {0},  # a module the code before the trunk calls
+        "vector": {0},  # a parameter it reads directly
+        "positions.table": {0, 1},  # a buffer of a module without parameters: every stage
+        **{f"blocks.{i}.lin.{n}": {i // 2} for i in range(4) for n in ("weight", "bias")},
+        "norm.weight": {1}, "norm.bias": {1}, "head.weight": {1}, "head.bias": {1},  # after the trunk: last stage
+    }
+    assert cut.ties() == []
+    # what the code before the trunk reads: ghosts while it runs anywhere but in the first stage's own run
+    swaps = {(type(owner).__name__, name, kind) for owner, name, kind in cut.prefix_swaps(0)}
+    assert swaps == {("Embedding", "weight", "parameter"), ("Net", "vector", "parameter")}
+    assert cut.prefix_swaps(1) == []
+
+
+def test_tied_head_is_on_both_ends_stored_once_and_summed_over_both_ranks():
+    cut = cut_of(Net(tied=True))
+    embed, head = (next(r for r in cut.registrations if r.paths == [p]) for p in ("embed.weight", "head.weight"))
+    assert embed.tensor is head.tensor
+    assert (set(embed.stages), set(head.stages)) == ({0}, {1})
+    assert embed.key == head.key == "embed.weight"  # a checkpoint stores it once, under its first name
+    assert cut.ties() == [("embed.weight", frozenset({0, 1}), 0)]
+
+
+def test_a_parameter_read_before_and_after_the_trunk_goes_to_both_ends():
+    cut = cut_of(Net(vector_after=True))
+    assert stages_by_path(cut)["vector"] == {0, 1}
+    assert cut.ties() == [("vector", frozenset({0, 1}), 0)]
+
+
+def test_a_reused_block_lives_on_each_of_its_stages():
+    cut = cut_of(Net(reused=True))
+    placed = stages_by_path(cut)
+    assert placed["blocks.0.lin.weight"] == placed["blocks.3.lin.weight"] == {0, 1}
+    reg = next(r for r in cut.registrations if "blocks.3.lin.weight" in r.paths)
+    assert reg.paths == ["blocks.0.lin.weight", "blocks.3.lin.weight"]
+    assert sorted(name for name, _, _ in cut.ties()) == ["blocks.0.lin.bias", "blocks.0.lin.weight"]
+
+
+def test_keep_only_leaves_a_rank_its_share_and_ghosts_the_rest():
+    model = Net(tied=True)
+    whole = {k: v.clone() for k, v in model.state_dict().items()}
+    cut = cut_of(model)
+    cut.keep_only(1, CPU)
+    kept = model.state_dict()
+    assert sorted(kept) == sorted(
+        ["positions.table", "blocks.2.lin.weight", "blocks.2.lin.bias", "blocks.3.lin.weight", "blocks.3.lin.bias",
+         "norm.weight", "norm.bias", "head.weight", "head.bias"]
+    )
+    assert all(torch.equal(kept[k], whole["embed.weight" if k == "head.weight" else k]) for k in kept)
+    assert isinstance(model.embed.weight, Ghost) and isinstance(model.blocks[0].lin.weight, Ghost)
+    assert model.embed.weight.shape == (VOCAB, DIM)
+    assert model.head.weight is next(p for n, p in model.named_parameters() if n == "head.weight")
+
+
+# ------------------------------------------------------------------------------------------------ StepProgram
+def two_stages_on_one_rank() -> tuple[Net, Net, StepProgram]:
+    """The model cut for one process running both stages (``devices=1`` with a multi-stage schedule), an uncut
+    copy to compare with, and the rank's step program."""
+    reference, model = Net(), Net()
+    cut = cut_of(model, pipeline_size=1, stages_per_rank=2)
+    cut.keep_only(0, CPU)
+    bounds = {s: cut.layout.bounds[s] for s in cut.layout.rank_stages(0)}
+    assert bounds == {0: (0, 2), 1: (2, 4)}
+    return reference, model, StepProgram(model, cut.backbone, cut.structure, bounds, cut.prefix_swaps(0), CPU)
+
+
+@torch.no_grad()
+def test_capture_reads_the_batch_size_from_the_first_block_call():
+    _, model, program = two_stages_on_one_rank()
+    assert program.batch_size_of(model.training_step, batch(), 0) == BATCH
+    x, y = batch()
+    assert program.batch_size_of(model.training_step, (x[:4], y[:4]), 0) == 4
+    assert program.current is None and isinstance(model.blocks[0], Block)  # the blocks are back in the container
+
+
+@torch.no_grad()
+def test_each_stage_runs_its_blocks_and_the_answer_runs_the_rest_of_the_step():
+    reference, model, program = two_stages_on_one_rank()
+    x, y = batch()
+    rows = torch.arange(2, 5)  # one microbatch
+    program.set_batch(model.training_step, (x, y), BATCH, 0)
+    first = program.run_stage(0, rows, None)
+    h = reference.before(x[2:5])
+    h = reference.blocks[1](reference.blocks[0](h))
+    torch.testing.assert_close(first, h, rtol=0, atol=0)
+    second = program.run_stage(1, rows, first)  # the code before the trunk runs on ghosts here
+    torch.testing.assert_close(second, reference.blocks[3](reference.blocks[2](h)), rtol=0, atol=0)
+    loss = program.run_answering(second, model.training_step, (x[2:5], y[2:5]), 0)
+    torch.testing.assert_close(loss, reference.training_step((x[2:5], y[2:5]), 0), rtol=0, atol=0)
+    assert not isinstance(model.embed.weight, Ghost) and not isinstance(model.vector, Ghost)  # swapped back
+
+
+def test_the_answer_carries_gradients_to_the_stage_output_and_the_head():
+    reference, model, program = two_stages_on_one_rank()
+    x, y = batch()
+    with torch.no_grad():
+        hidden = reference.blocks[3](reference.blocks[2](reference.blocks[1](reference.blocks[0](reference.before(x)))))
+    out = hidden.clone().requires_grad_()
+    program.run_answering(out, model.training_step, (x, y), 0).backward()
+    ref_out = hidden.clone().requires_grad_()
+    F.cross_entropy(reference.after(ref_out).flatten(0, 1), y.flatten()).backward()
+    torch.testing.assert_close(out.grad, ref_out.grad)
+    torch.testing.assert_close(model.head.weight.grad, reference.head.weight.grad)
+    assert model.embed.weight.grad is None and model.blocks[0].lin.weight.grad is None  # only the step after the trunk
+
+
+# ------------------------------------------------------------------------------------------------ one process group
+@pytest.fixture(scope="module")
+def group() -> Iterator[dist.ProcessGroup]:
+    if dist.is_initialized():  # left by an in-process Trainer of an earlier test (Lightning keeps it): one process
+        assert dist.get_world_size() == 1
+        yield dist.group.WORLD
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{port}")
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+def test_align_param_groups_on_one_rank_keeps_the_groups(group):
+    a, b = nn.Linear(3, 3), nn.Linear(3, 1)
+    optimizer = torch.optim.SGD([{"params": a.parameters(), "lr": 0.1}, {"params": b.parameters(), "lr": 0.01}])
+    finetuning = BaseFinetuning()
+    _compat.finetuning_metadata(finetuning)[0] = [{"lr": 0.1, "params": ["a"]}]
+    align_param_groups([optimizer], group, CPU, [finetuning])
+    assert [g["lr"] for g in optimizer.param_groups] == [0.1, 0.01]
+    assert [g["params"] for g in optimizer.param_groups] == [list(a.parameters()), list(b.parameters())]
+    assert _compat.finetuning_metadata(finetuning) == {0: [{"lr": 0.1, "params": ["a"]}]}
+
+
+# ------------------------------------------------------------------------------------------------ gradient norm
+def with_grads(seed: int = 0) -> list[nn.Parameter]:
+    g = torch.Generator().manual_seed(seed)
+    params = [nn.Parameter(torch.randn(shape, generator=g)) for shape in ((4, 3), (3,), (2, 2, 2))]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g) * 3
+    return params
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, float("inf")])
+def test_global_grad_norm_is_torchs_norm_on_one_process(norm_type, group):
+    params = with_grads()
+    want = torch.nn.utils.clip_grad_norm_(with_grads(), max_norm=float("inf"), norm_type=norm_type)
+    for on in (None, group):
+        got = global_grad_norm([p.grad for p in params], on, CPU, norm_type=norm_type)
+        torch.testing.assert_close(got, want)
+    assert global_grad_norm([], group, CPU).item() == 0.0
+
+
+def test_clipping_matches_torch_and_counts_a_tied_copy_once(group):
+    """``gradient_clip_val`` through the strategy's precision plugin clips as ``clip_grad_norm_`` does; a parameter
+    another rank also holds (a tied copy, not counted here) is clipped by the same factor but not counted twice."""
+    params, expected = with_grads(), with_grads()
+    torch.nn.utils.clip_grad_norm_(expected, max_norm=0.5)
+    plugin = pipeline_precision(Precision())
+    copy = nn.Parameter(params[0].detach().clone())  # the same tensor as held by a second rank
+    copy.grad = params[0].grad.clone()
+    plugin.connect_pipeline(group, counted=lambda p: p is not copy)
+    plugin.clip_grad_by_norm(torch.optim.SGD([*params, copy], lr=0.1), 0.5)
+    for p, e in zip(params, expected):
+        torch.testing.assert_close(p.grad, e.grad)
+    torch.testing.assert_close(copy.grad, expected[0].grad)
+    assert type(plugin).__qualname__ == "Precision" and isinstance(plugin, Precision)
