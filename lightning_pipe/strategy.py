@@ -552,7 +552,7 @@ class PipelineStrategy(ParallelStrategy):
         }
         _dcp.save(
             checkpoint, self.broadcast(filepath), module=self.lightning_module, optimizers=self.optimizers,
-            names=cut.names, layout=stored_layout, is_global_zero=self.is_global_zero, barrier=self.barrier,
+            names=cut.names, layout=stored_layout, is_global_zero=self.is_global_zero,
             local_states=local_states,
         )
 

@@ -450,7 +450,7 @@ def _save_one_rank(model, optimizers, checkpoint, path) -> None:
     layout = {"bounds": [[0, 7]], "pipeline_parallel_size": 1, "data_parallel_size": 1, "stages_per_rank": 1,
               "style": "loop", "backbone": "backbone"}
     _dcp.save(checkpoint, path, module=model, optimizers=optimizers, names=ModelNames.of(model), layout=layout,
-              is_global_zero=True, barrier=lambda name: None)
+              is_global_zero=True)
 
 
 def _load_one_rank(model, optimizers, path) -> dict:

@@ -63,10 +63,13 @@ def save(
     names: ModelNames,
     layout: dict[str, Any],
     is_global_zero: bool,
-    barrier: Callable[[str], None],
     local_states: Optional[dict[str, dict[str, Any]]] = None,
 ) -> None:
     """Write ``checkpoint`` (Lightning's dict) to the directory ``filepath``; called on every rank with the same path.
+
+    The steps are synchronised by exchanging their outcomes, so that a failure on one rank is raised on all
+    (:class:`CheckpointSaveError`). Whatever was at ``filepath`` before is then still there and loadable, the
+    temporary directory is removed, and the model and optimizers are untouched.
 
     Args:
         module: the cut LightningModule (its ``state_dict`` holds this rank's tensors).
@@ -74,10 +77,6 @@ def save(
         names: the whole model's names (a tensor with several names is stored once, under its first).
         layout: the pipeline layout to store (see ``_files.layout_of``).
         is_global_zero: this rank writes ``meta.pt`` and commits the directory.
-        barrier: unused, kept for callers: the steps are synchronised by exchanging their outcomes, so that a
-            failure on one rank is raised on all (:class:`CheckpointSaveError`). Whatever was at ``filepath``
-            before is then still there and loadable, the temporary directory is removed, and the model and
-            optimizers are untouched.
         local_states: per-rank state dicts (keyed by this rank's state-dict names) whose place in ``checkpoint`` holds
             a marker (``_local``): stored like the weights, under their key.
     """
