@@ -171,10 +171,19 @@ class StepProgram:
         self.step_kwargs: dict = {}
 
     # ------------------------------------------------------------------------------------------------ the batch
-    def set_batch(self, step: Callable[..., Any], batch: Any, batch_size: int, *args: Any, **kwargs: Any) -> None:
-        """The step, batch and extra step arguments the stage runs of the next schedule step use."""
+    @contextmanager
+    def holding(
+        self, step: Callable[..., Any], batch: Any, batch_size: int, *args: Any, **kwargs: Any
+    ) -> Iterator[None]:
+        """The step, batch and extra step arguments that the stage runs inside the block use; nothing here refers to
+        them once the block ends (the batch's memory is the loop's to free)."""
         self.step, self.batch, self.batch_size = step, batch, batch_size
         self.step_args, self.step_kwargs = args, kwargs
+        try:
+            yield
+        finally:
+            self.step, self.batch, self.batch_size = None, None, 0
+            self.step_args, self.step_kwargs = (), {}
 
     def sub_batch(self, rows: Tensor) -> Any:
         start, stop = int(rows[0]), int(rows[-1]) + 1

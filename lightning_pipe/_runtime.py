@@ -215,7 +215,6 @@ class PipelineRuntime:
         step = module.training_step
         batch_size = program.batch_size_of(step, batch, *rest, **kwargs)
         num_microbatches = self.microbatches.for_batch(batch_size)
-        program.set_batch(step, batch, batch_size, *rest, **kwargs)
         # Lightning divides the returned loss by `accumulate_grad_batches` and back-propagates that; the schedule
         # back-propagates each microbatch loss, so scale it by the same factor and by the microbatch count.
         grad_scale = 1.0 / (num_microbatches * module.trainer.accumulate_grad_batches)
@@ -239,10 +238,11 @@ class PipelineRuntime:
 
         tracer = self._timeline_recorder()
         metrics = module_metrics(module) if pipeline.has_last_stage else []  # only the last stage runs the step
-        sample = program.sub_batch(torch.arange(batch_size // num_microbatches))
-        with per_batch_metrics(metrics, num_microbatches), self.gradients.computed_aside():
-            self._sync_buffers()
-            pipeline.train_step(sample, batch_size, num_microbatches, microbatch_loss, tracer)
+        with program.holding(step, batch, batch_size, *rest, **kwargs):
+            sample = program.sub_batch(torch.arange(batch_size // num_microbatches))
+            with per_batch_metrics(metrics, num_microbatches), self.gradients.computed_aside():
+                self._sync_buffers()
+                pipeline.train_step(sample, batch_size, num_microbatches, microbatch_loss, tracer)
         payload = None
         if pipeline.has_last_stage:
             loss, scale = weighing.result()
@@ -265,9 +265,9 @@ class PipelineRuntime:
         self._check_same_data("evaluation", batch, rest, kwargs)
         batch_size = program.batch_size_of(step, *args, **kwargs)
         num_microbatches = self.microbatches.for_batch(batch_size)
-        program.set_batch(step, batch, batch_size, *rest, **kwargs)
-        sample = program.sub_batch(torch.arange(batch_size // num_microbatches))
-        output = pipeline.eval_step(sample, batch_size, num_microbatches)
+        with program.holding(step, batch, batch_size, *rest, **kwargs):
+            sample = program.sub_batch(torch.arange(batch_size // num_microbatches))
+            output = pipeline.eval_step(sample, batch_size, num_microbatches)
         payload = None
         if pipeline.has_last_stage:
             recorder = LogRecorder()

@@ -191,12 +191,13 @@ def test_each_stage_runs_its_blocks_and_the_answer_runs_the_rest_of_the_step():
     reference, model, program = two_stages_on_one_rank()
     x, y = batch()
     rows = torch.arange(2, 5)  # one microbatch
-    program.set_batch(model.training_step, (x, y), BATCH, 0)
-    first = program.run_stage(0, rows, None)
+    with program.holding(model.training_step, (x, y), BATCH, 0):
+        first = program.run_stage(0, rows, None)
+        second = program.run_stage(1, rows, first)  # the code before the trunk runs on ghosts here
+    assert program.batch is None and program.step is None  # nothing of the batch outlives its block
     h = reference.before(x[2:5])
     h = reference.blocks[1](reference.blocks[0](h))
     torch.testing.assert_close(first, h, rtol=0, atol=0)
-    second = program.run_stage(1, rows, first)  # the code before the trunk runs on ghosts here
     torch.testing.assert_close(second, reference.blocks[3](reference.blocks[2](h)), rtol=0, atol=0)
     loss = program.run_answering(second, model.training_step, (x[2:5], y[2:5]), 0)
     torch.testing.assert_close(loss, reference.training_step((x[2:5], y[2:5]), 0), rtol=0, atol=0)
@@ -278,3 +279,52 @@ def test_clipping_matches_torch_and_counts_a_tied_copy_once(group):
         torch.testing.assert_close(p.grad, e.grad)
     torch.testing.assert_close(copy.grad, expected[0].grad)
     assert type(plugin).__qualname__ == "Precision" and isinstance(plugin, Precision)
+
+
+def test_no_batch_outlives_its_step():
+    """Once Lightning's loop lets go of a batch (training or validation), nothing of the strategy holds it: the
+    batch's memory is freed before the next batch arrives, not one step later."""
+    import gc
+    import weakref
+
+    import lightning as L
+    import zoo
+    from test_structure import Net
+
+    from lightning_pipe import PipelineStrategy
+
+    class Batches(L.Callback):
+        def __init__(self) -> None:
+            self.previous: list[weakref.ref] = []
+            self.alive: list[bool] = []
+
+        def _check(self) -> None:
+            gc.collect()
+            self.alive += [ref() is not None for ref in self.previous]
+            self.previous = []
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self._check()
+
+        def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+            self._check()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.previous = [weakref.ref(t) for t in batch]
+
+        def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+            self.previous = [weakref.ref(t) for t in batch]
+
+    class WithValidation(Net):
+        def validation_step(self, batch, batch_idx):
+            self.log("val_loss", self.training_step(batch, batch_idx))
+
+    batches = Batches()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, strategy=PipelineStrategy(num_microbatches=2), max_steps=3, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[batches],
+        num_sanity_val_steps=0, val_check_interval=2,
+    )
+    loader = zoo.loader("tokens", n=16, batch_size=4)
+    trainer.fit(WithValidation(), loader, zoo.loader("tokens", n=8, batch_size=4))
+    assert len(batches.alive) >= 4 and not any(batches.alive), batches.alive
