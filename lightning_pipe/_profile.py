@@ -25,9 +25,9 @@ from torch import nn
 from lightning_pipe import _compat
 from lightning_pipe._backbone import Backbone
 from lightning_pipe._logging import LogRecorder
-from lightning_pipe._metrics import metrics_set_aside, module_metrics
 from lightning_pipe._microbatches import MicrobatchPolicy
 from lightning_pipe._program import BlockCalls, HiddenAt, StepProgram, loss_of, replace_hidden, slice_batch
+from lightning_pipe._untouched import untouched
 
 if TYPE_CHECKING:
     from lightning_pipe._structure import Structure
@@ -75,19 +75,11 @@ def measure_backbone(
         rows = batch_size // microbatches.for_batch(batch_size)
         sub_batch = slice_batch(batch, batch_size, 0, rows)
         samples: list[list[float]] = []
-        devices = [device] if device.type == "cuda" else []
-        saved = [(b, b.detach().clone()) for b in module.buffers()]
-        with torch.random.fork_rng(devices=devices), metrics_set_aside(module_metrics(module)), step_context():
-            try:
-                for attempt in range(repeats + 1):
-                    timed = _profile_step(program, step, sub_batch, device)
-                    if attempt:  # the first run warms up
-                        samples.append(timed)
-            finally:
-                with torch.no_grad():
-                    for buffer, value in saved:
-                        buffer.copy_(value)
-                module.zero_grad(set_to_none=True)
+        with untouched(module, device, drop_grads=True), step_context():
+            for attempt in range(repeats + 1):
+                timed = _profile_step(program, step, sub_batch, device)
+                if attempt:  # the first run warms up
+                    samples.append(timed)
         costs = [statistics.median(column) for column in zip(*samples)]
         shown = ", ".join(f"{c * 1e3:.2f}" for c in costs)
         rank_zero_info(f"PipelineStrategy: forward+backward ms per block: {shown}")
@@ -139,21 +131,18 @@ class _Profiled(BlockCalls):
                 self.costs[0] += time.perf_counter() - start
         home = next((t.device for t in block.parameters()), None) or next((t.device for t in block.buffers()), None)
         block.to(self.device)
-        saved = [(b, b.detach().clone()) for b in block.buffers()]
         detached = hidden.detach()
         inp = detached.requires_grad_(detached.is_floating_point()) if torch.is_grad_enabled() else detached
         call_args, call_kwargs = replace_hidden(args, kwargs, at, inp)
-        _sync(self.device)
-        start = time.perf_counter()
-        out = block(*call_args, **call_kwargs)
-        if torch.is_grad_enabled():
-            self.program.hidden_of(index, out).float().sum().backward()
-        _sync(self.device)
-        self.costs[index] += time.perf_counter() - start
+        with untouched(block, self.device, drop_grads=True):  # timed only: the run below is the step's
+            _sync(self.device)
+            start = time.perf_counter()
+            out = block(*call_args, **call_kwargs)
+            if torch.is_grad_enabled():
+                self.program.hidden_of(index, out).float().sum().backward()
+            _sync(self.device)
+            self.costs[index] += time.perf_counter() - start
         with torch.no_grad():
-            for buffer, value in saved:
-                buffer.copy_(value)
-            block.zero_grad(set_to_none=True)
             call_args, call_kwargs = replace_hidden(args, kwargs, at, hidden.detach())
             out = block(*call_args, **call_kwargs)
         if home is not None:

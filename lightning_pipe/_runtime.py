@@ -50,6 +50,7 @@ from lightning_pipe._microbatches import MicrobatchPolicy
 from lightning_pipe._pipeline import StageModule, StagePipeline
 from lightning_pipe._program import StepProgram, loss_of
 from lightning_pipe._structure import everything_ghosted
+from lightning_pipe._untouched import untouched
 from lightning_pipe.partition import StageLayout
 from lightning_pipe.schedules import ScheduleSpec
 
@@ -300,15 +301,9 @@ class PipelineRuntime:
             except (GhostValueError, NotImplementedError, RuntimeError) as err:
                 log.debug("stage %d does not run on ghosts (%s): measuring its shapes for real", stage, err)
         real_in = None if received is None else torch.zeros(received[0], dtype=received[1], device=self.device)
-        buffers = [(b, b.detach().clone()) for b in module.buffers()]
-        devices = [self.device] if self.device.type == "cuda" else []
-        with torch.no_grad(), torch.random.fork_rng(devices=devices), metrics_set_aside(module_metrics(module)):
-            try:
-                out = program.run_stage(stage, rows, real_in)
-                return tuple(out.shape), out.dtype
-            finally:
-                for buffer, saved in buffers:
-                    buffer.copy_(saved)
+        with torch.no_grad(), untouched(module, self.device):
+            out = program.run_stage(stage, rows, real_in)
+            return tuple(out.shape), out.dtype
 
     def _check_trainable(self) -> None:
         """At the first batch of each epoch (callbacks freeze, unfreeze and add parameter groups at epoch starts): if
