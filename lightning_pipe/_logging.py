@@ -215,23 +215,11 @@ class LogChannel:
             assert payload is not None
             return payload
         self.wait()
-        width = len(self._signature[0][2]) if self._signature is not None else 0
-        slots = len(self._signature) - 1 + width if self._signature is not None else 0
-        buffer = torch.zeros(1 + slots, dtype=torch.float64, device=self.device)
-        if payload is not None:
-            result, entries = payload
-            fast = self._signature is not None and _signature(result, entries) == self._signature
-            if fast:
-                for i, part in enumerate(_result_parts(result) or ()):
-                    buffer[1 + i] = part.detach().double()
-                values = _slot_values(entries)
-                if values:
-                    start = 1 + width
-                    buffer[start : start + len(values)] = torch.stack([v.detach().double().reshape(()) for v in values])
-                buffer[0] = 1
-                work = dist.broadcast(buffer, group_src=self.src, group=self.group, async_op=True)
-                self._in_flight = (work, buffer)
-                return payload
+        buffer = self._pack(payload)
+        if payload is not None and buffer[0] == 1:
+            work = dist.broadcast(buffer, group_src=self.src, group=self.group, async_op=True)
+            self._in_flight = (work, buffer)
+            return payload
         dist.broadcast(buffer, group_src=self.src, group=self.group)
         if buffer[0].item() == 1:
             if payload is not None:
@@ -242,6 +230,25 @@ class LogChannel:
         result, entries = box[0]
         self._signature = _signature(result, entries)
         return result, entries
+
+    def _pack(self, payload: Optional[tuple[Any, list]]) -> torch.Tensor:
+        """The buffer every rank broadcasts: on the source, with the flag set and the values in it when the payload
+        has the last object's signature (:func:`_signature`); zeros elsewhere, and for a payload that must travel
+        as an object."""
+        signature = self._signature
+        width = len(signature[0][2]) if signature is not None else 0
+        slots = len(signature) - 1 + width if signature is not None else 0
+        buffer = torch.zeros(1 + slots, dtype=torch.float64, device=self.device)
+        if payload is None or signature is None or _signature(*payload) != signature:
+            return buffer
+        result, entries = payload
+        for i, part in enumerate(_result_parts(result) or ()):
+            buffer[1 + i] = part.detach().double()
+        values = _slot_values(entries)
+        if values:
+            buffer[1 + width : 1 + width + len(values)] = torch.stack([v.detach().double().reshape(()) for v in values])
+        buffer[0] = 1
+        return buffer
 
     def wait(self) -> None:
         """Wait for the source's last send to complete (a no-op elsewhere)."""

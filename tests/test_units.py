@@ -328,3 +328,55 @@ def test_no_batch_outlives_its_step():
     loader = zoo.loader("tokens", n=16, batch_size=4)
     trainer.fit(WithValidation(), loader, zoo.loader("tokens", n=8, batch_size=4))
     assert len(batches.alive) >= 4 and not any(batches.alive), batches.alive
+
+
+# ------------------------------------------------------------------------------------------------ gradients, logs
+def test_gradients_kept_aside_scaled_tied_and_handed_back(group):
+    """The schedule's fresh gradients survive Lightning's zero_grad: kept aside, multiplied by the step's factor
+    (token weights), tied copies summed over their group, then added to what earlier batches accumulated."""
+    from lightning_pipe._runtime import Gradients
+
+    module = nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 1))
+    frozen = module[1].bias
+    frozen.requires_grad_(False)
+    earlier = {p: torch.full_like(p, 0.25) for p in module.parameters() if p.requires_grad}
+    for p, g in earlier.items():
+        p.grad = g.clone()
+    gradients = Gradients(module, replica_group=None, tie_groups=[(group, [module[0].weight, frozen])])
+    x = torch.randn(4, 3)
+    with gradients.computed_aside():
+        assert all(p.grad is None for p in earlier)  # the schedule writes into empty gradients
+        module(x).sum().backward()
+        fresh = {p: p.grad.clone() for p in earlier}
+    assert all(torch.equal(p.grad, earlier[p]) for p in earlier)  # the earlier ones are back for zero_grad
+    gradients.synchronise(scale=0.5)
+    module.zero_grad(set_to_none=False)  # what Lightning does between training_step and backward
+    gradients.hand_back()
+    for p in earlier:
+        torch.testing.assert_close(p.grad, 0.5 * fresh[p], rtol=0, atol=0)
+    assert frozen.grad is None  # a frozen tied copy takes part in the sum, then is dropped
+    gradients.hand_back()  # handed back once only
+    assert all(torch.equal(p.grad, 0.5 * fresh[p]) for p in earlier)
+
+
+def test_log_channel_values_only_round_trip():
+    """Once the keys are known, a step's result (the loss in its dtype and the float64 gradient factor) and logged
+    values travel as one small float64 buffer and come back with their dtypes; new keys fall back to an object."""
+    from lightning_pipe._logging import LogChannel, _signature
+
+    channel = LogChannel(None, src=1, size=2, device=torch.device("cpu"))
+    first = ((torch.tensor(2.5, dtype=torch.bfloat16), torch.tensor(0.75, dtype=torch.float64)),
+             [("train_loss", torch.tensor(2.5), {"prog_bar": True}), ("n", torch.tensor(3, dtype=torch.int64), {})])
+    assert channel._pack(first)[0] == 0  # the first step sends an object
+    channel._signature = _signature(*first)
+    second = ((torch.tensor(1.25, dtype=torch.bfloat16), torch.tensor(1 / 3, dtype=torch.float64)),
+              [("train_loss", torch.tensor(1.125), {"prog_bar": True}), ("n", torch.tensor(7, dtype=torch.int64), {})])
+    buffer = channel._pack(second)
+    assert buffer[0] == 1 and buffer.numel() == 1 + 2 + 2
+    (loss, scale), entries = channel._unpack(buffer[1:])
+    assert loss.dtype == torch.bfloat16 and float(loss) == 1.25 and scale.dtype == torch.float64
+    assert float(scale) == 1 / 3
+    assert [(n, float(v), v.dtype, o) for n, v, o in entries] == [
+        ("train_loss", 1.125, torch.float32, {"prog_bar": True}), ("n", 7.0, torch.int64, {})]
+    changed = (second[0], [("other", torch.tensor(1.0), {})])
+    assert channel._pack(changed)[0] == 0
