@@ -29,8 +29,8 @@ import torch
 from torch import Tensor, nn
 
 from lightning_pipe._backbone import Backbone
+from lightning_pipe._calls import Structure
 from lightning_pipe._ghost import Ghost, ghost_of
-from lightning_pipe._structure import Structure
 from lightning_pipe._summary import parameter_counts
 from lightning_pipe.checkpoint._names import ModelNames
 from lightning_pipe.partition import StageLayout

@@ -14,7 +14,7 @@ from __future__ import annotations
 import statistics
 import time
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -24,13 +24,10 @@ from torch import nn
 
 from lightning_pipe import _compat
 from lightning_pipe._backbone import Backbone
+from lightning_pipe._calls import BlockCalls, BlockRunners, HiddenAt, Structure, loss_of, replace_hidden, slice_batch
 from lightning_pipe._logging import LogRecorder
 from lightning_pipe._microbatches import MicrobatchPolicy
-from lightning_pipe._program import BlockCalls, HiddenAt, StepProgram, loss_of, replace_hidden, slice_batch
 from lightning_pipe._untouched import untouched
-
-if TYPE_CHECKING:
-    from lightning_pipe._structure import Structure
 
 
 def first_batch(module: Any, batch_to_device: Callable[[Any], Any]) -> tuple[Callable[..., Any], Any]:
@@ -70,7 +67,7 @@ def measure_backbone(
     require_real_weights([module])  # every rank holds the whole model here, so every rank refuses
     costs: Optional[list[float]] = None
     if not dist.is_initialized() or dist.get_rank() == 0:
-        program = StepProgram(module, backbone, structure, {}, (), device)
+        program = BlockRunners(module, backbone, structure, device)
         batch_size = program.batch_size_of(step, batch, 0)
         rows = batch_size // microbatches.for_batch(batch_size)
         sub_batch = slice_batch(batch, batch_size, 0, rows)
@@ -91,7 +88,7 @@ def measure_backbone(
     return costs
 
 
-def _profile_step(program: StepProgram, step: Callable[..., Any], sub_batch: Any, device: torch.device) -> list[float]:
+def _profile_step(program: BlockRunners, step: Callable[..., Any], sub_batch: Any, device: torch.device) -> list[float]:
     """One run of the step on ``sub_batch`` with every block timed on ``device``; returns the costs per block."""
     run = _Profiled(program, device)
     with program.running(run, ghost_prefix=False):
@@ -114,7 +111,7 @@ def _profile_step(program: StepProgram, step: Callable[..., Any], sub_batch: Any
 class _Profiled(BlockCalls):
     """Times each block (forward and backward) on its real arguments, moving it to the device for the purpose."""
 
-    def __init__(self, program: StepProgram, device: torch.device) -> None:
+    def __init__(self, program: BlockRunners, device: torch.device) -> None:
         super().__init__(program)
         self.device = device
         self.costs = [0.0] * len(program.backbone)

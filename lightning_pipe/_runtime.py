@@ -40,6 +40,7 @@ from torch import Tensor, nn
 from lightning_pipe import _watchdog
 from lightning_pipe import timeline as _timeline
 from lightning_pipe._callbacks import align_param_groups
+from lightning_pipe._calls import loss_of
 from lightning_pipe._cut import Cut
 from lightning_pipe._fingerprint import differs, fingerprint
 from lightning_pipe._ghost import Ghost, GhostValueError, contains_ghost
@@ -48,7 +49,7 @@ from lightning_pipe._loss_weights import LossWeighing, warn_once
 from lightning_pipe._metrics import metrics_set_aside, module_metrics, per_batch_metrics
 from lightning_pipe._microbatches import MicrobatchPolicy
 from lightning_pipe._pipeline import StageModule, StagePipeline
-from lightning_pipe._program import StepProgram, loss_of
+from lightning_pipe._program import StepProgram
 from lightning_pipe._structure import everything_ghosted
 from lightning_pipe._untouched import untouched
 from lightning_pipe.partition import StageLayout

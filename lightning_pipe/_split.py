@@ -19,8 +19,9 @@ from torch import nn
 from torchmetrics import Metric
 
 from lightning_pipe._backbone import BackboneCallError, find_backbone
+from lightning_pipe._calls import Structure
 from lightning_pipe._cut import Cut
-from lightning_pipe._structure import Structure, analyze
+from lightning_pipe._structure import analyze
 from lightning_pipe.partition import make_layout
 from lightning_pipe.schedules import ScheduleSpec
 

@@ -16,7 +16,6 @@ Any of these that fails is an error at setup, on every rank, naming the fix.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
@@ -25,35 +24,21 @@ from torch.utils._pytree import tree_leaves
 
 from lightning_pipe import _ghost
 from lightning_pipe._backbone import Backbone, BackboneCallError
-from lightning_pipe._ghost import Ghost, GhostValueError, contains_ghost, ghost_of
-from lightning_pipe._metrics import metrics_set_aside, module_metrics
-from lightning_pipe._program import (
+from lightning_pipe._calls import (
     BlockCalls,
+    BlockRunners,
     HiddenAt,
+    OutputKind,
     Runner,
-    StepProgram,
+    Structure,
     call_muted,
     never_called,
     replace_hidden,
 )
+from lightning_pipe._ghost import Ghost, GhostValueError, contains_ghost, ghost_of
+from lightning_pipe._metrics import metrics_set_aside, module_metrics
 
 log = logging.getLogger(__name__)
-
-#: What a block returns besides its hidden state: ``None`` for a tensor, else ``(tuple or list, metas of the rest)``.
-OutputKind = Optional[tuple[type, tuple[Optional[Tensor], ...]]]
-
-
-@dataclass
-class Structure:
-    """What the setup learned about one step (see the module docstring)."""
-
-    hidden_at: list[HiddenAt]
-    outputs: list[OutputKind]
-    prefix_params: set[int] = field(default_factory=set)  # ids of parameters read before the backbone
-    prefix_modules: set[int] = field(default_factory=set)  # ids of modules called before the backbone
-    post_params: set[int] = field(default_factory=set)  # ids of parameters read after it (as far as it ran)
-    param_extras: dict[int, list[str]] = field(default_factory=dict)  # block -> its arguments that need parameters
-
 
 def analyze(
     module: nn.Module,
@@ -105,7 +90,7 @@ class _Analysis(BlockCalls):
     def __init__(self, module: nn.Module, backbone: Backbone, device: torch.device) -> None:
         n = len(backbone)
         structure = Structure(hidden_at=[("arg", 0)] * n, outputs=[None] * n)
-        program = StepProgram(module, backbone, structure, {}, (), device)
+        program = BlockRunners(module, backbone, structure, device)
         super().__init__(program)
         self.structure = structure
         self.device = device
