@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional
 
 from torch import Tensor, nn
 
-from lightning_pipe._backbone import Backbone, BackboneCallError
+from lightning_pipe._backbone import Backbone, BackboneCallError, not_computed_by_last_stage
 from lightning_pipe._ghost import Ghost, ghost_of
 from lightning_pipe._logging import LogRecorder
 
@@ -266,11 +266,9 @@ def loss_of(result: Any) -> Tensor:
             f" microbatch; it returned {type(result).__name__}. Skipping a step by returning None is not supported."
         )
     if isinstance(loss, Ghost):
-        raise BackboneCallError(
-            "The loss depends on values the last pipeline stage does not compute: something from before the backbone"
-            " (computed from the first stage's parameters) or the output of a block other than the last is used"
-            f" after the backbone ({loss!r}). Compute the loss from the backbone's output and the batch."
-        )
+        raise BackboneCallError(not_computed_by_last_stage(
+            "The loss depends on values", "Compute the loss from the backbone's output and the batch.", loss
+        ))
     return loss
 
 

@@ -25,6 +25,7 @@ from lightning.pytorch import LightningModule
 from torchmetrics import Metric
 
 from lightning_pipe import _compat
+from lightning_pipe._backbone import not_computed_by_last_stage
 from lightning_pipe._ghost import Ghost, GhostValueError
 from lightning_pipe._metrics import module_metrics
 
@@ -165,11 +166,8 @@ def _weighted_mean(name: str, values: list[Any], weights: list[int]) -> torch.Te
     tensors = []
     for v in values:
         if isinstance(v, Ghost):
-            raise GhostValueError(
-                f"`self.log({name!r}, ...)` logs a value the last pipeline stage does not compute ({v!r}): it comes"
-                " from before the backbone (the first stage's parameters) or from a block other than the last. Log"
-                " values computed from the backbone's output and the batch."
-            )
+            fix = "Log values computed from the backbone's output and the batch."
+            raise GhostValueError(not_computed_by_last_stage(f"`self.log({name!r}, ...)` logs a value", fix, v))
         if isinstance(v, torch.Tensor):
             tensors.append(v.detach().float())
         elif isinstance(v, numbers.Number):

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from lightning_pipe._backbone import Backbone, BackboneCallError
+from lightning_pipe._backbone import Backbone, BackboneCallError, argument_not_on_stage
 from lightning_pipe._calls import (
     BlockCalls,
     BlockRunners,
@@ -170,9 +170,7 @@ class _Answer(BlockCalls):
 def _ghost_argument(block: str, args: tuple, kwargs: dict, at: HiddenAt, stage: int) -> BackboneCallError:
     named = [f"positional argument {i}" for i, a in enumerate(args) if contains_ghost(a) and ("arg", i) != at]
     named += [f"`{k}`" for k, v in kwargs.items() if contains_ghost(v) and ("kwarg", k) != at]
-    return BackboneCallError(
-        f"Block `{block}` runs on stage {stage}, but its {', '.join(named) or 'arguments'} depend on values only the"
-        " first stage computes (from its parameters, e.g. the embedding's output). Only the hidden state travels"
-        " between stages; a block's other arguments must be computable from the batch and buffers on every stage"
-        " (masks, position ids, rotary tables). Compute them from the batch, or move that computation into the blocks."
-    )
+    return BackboneCallError(argument_not_on_stage(
+        block, stage, f"its {', '.join(named) or 'arguments'} depend on values only the first stage computes (from its"
+        " parameters, e.g. the embedding's output)"
+    ))

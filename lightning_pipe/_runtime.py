@@ -39,6 +39,7 @@ from torch import Tensor, nn
 
 from lightning_pipe import _watchdog
 from lightning_pipe import timeline as _timeline
+from lightning_pipe._backbone import BackboneCallError, not_computed_by_last_stage
 from lightning_pipe._callbacks import align_param_groups
 from lightning_pipe._calls import loss_of
 from lightning_pipe._cut import Cut
@@ -421,13 +422,10 @@ def _all_reduce(tensors: list[Tensor], group: dist.ProcessGroup, average: bool) 
 
 
 def _ghost_result(step: Callable[..., Any]) -> Exception:
-    from lightning_pipe._backbone import BackboneCallError
-
     name = getattr(step, "__name__", "the step")
-    return BackboneCallError(
-        f"`{name}` returns values the last pipeline stage does not compute (from before the backbone, or from a block"
-        " other than the last). Return values computed from the backbone's output and the batch."
-    )
+    return BackboneCallError(not_computed_by_last_stage(
+        f"`{name}` returns values", "Return values computed from the backbone's output and the batch."
+    ))
 
 
 def _different_data_message(kind: str, index: int, words: list[Tensor], layout: StageLayout) -> str:

@@ -18,7 +18,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torchmetrics import Metric
 
-from lightning_pipe._backbone import BackboneCallError, find_backbone
+from lightning_pipe._backbone import BackboneCallError, argument_not_on_stage, find_backbone
 from lightning_pipe._calls import Structure
 from lightning_pipe._cut import Cut
 from lightning_pipe._structure import analyze
@@ -125,10 +125,7 @@ def _refuse_parameter_arguments(backbone: Any, structure: Structure, layout: Any
     for index, names in sorted(structure.param_extras.items()):
         stage = layout.stage_of_block(index)
         if stage > 0:
-            raise BackboneCallError(
-                f"Block `{backbone.blocks[index].name}` runs on stage {stage}, but its argument(s)"
-                f" {', '.join(names)} are computed from parameters (e.g. from the embedding's output, or from an"
-                " earlier block's output). Only the hidden state travels between stages; a block's other arguments"
-                " must be computable from the batch and buffers on every stage (masks, position ids, rotary"
-                " tables). Compute them from the batch, or move that computation into the blocks."
-            )
+            raise BackboneCallError(argument_not_on_stage(
+                backbone.blocks[index].name, stage, f"its argument(s) {', '.join(names)} are computed from parameters"
+                " (e.g. from the embedding's output, or from an earlier block's output)"
+            ))
