@@ -64,13 +64,13 @@ def after_cut(
     """
     for callback in callbacks:
         if isinstance(callback, StochasticWeightAveraging):
-            if _compat.swa_average_model(callback) is not None:
-                _compat.set_swa_average_model(callback, _copy_on_cpu(module))
+            if callback._average_model is not None:
+                callback._average_model = _copy_on_cpu(module)
         elif isinstance(callback, WeightAveraging):
-            old = _compat.swa_average_model(callback)
+            old = callback._average_model
             if old is not None:
                 device = next(iter(old.parameters()), torch.empty(0)).device
-                _compat.set_swa_average_model(callback, _compat.averaged_model_like(callback, module, device))
+                callback._average_model = _compat.averaged_model_like(callback, module, device)
         elif isinstance(callback, ModelPruning):
             _prune_own_share(callback, module, tied, group, device)
 
@@ -84,7 +84,7 @@ def _copy_on_cpu(module: nn.Module) -> nn.Module:
 def _prune_own_share(
     callback: ModelPruning, module: nn.Module, tied: set[int], group: dist.ProcessGroup, device: torch.device
 ) -> None:
-    pairs = _compat.pruning_pairs(callback)
+    pairs = callback._parameters_to_prune
     own = [(i, m, n) for i, (m, n) in enumerate(pairs) if _registered(m, n) is not None]
     shared = [n for _, m, n in own if id(_registered(m, n)) in tied]
     if dist.get_world_size(group) > 1:  # every rank raises, not only those holding a tie
@@ -97,8 +97,8 @@ def _prune_own_share(
             " per stage and per name, which a mask on one of them would split. Pass `parameters_to_prune` without"
             " them."
         )
-    _compat.set_pruning_pairs(callback, [(m, n) for _, m, n in own])
-    originals = _compat.pruning_originals(callback)
+    callback._parameters_to_prune = [(m, n) for _, m, n in own]
+    originals = callback._original_layers
     if originals is not None:  # the lottery ticket: copies of this rank's modules as they are now (initialised)
         renumber = {old: new for new, (old, _, _) in enumerate(own)}
         retaken = {}
@@ -107,8 +107,8 @@ def _prune_own_share(
             if names:
                 owner = pairs[ref["names"][0][0]][0]
                 retaken[key] = {"data": deepcopy(owner), "names": names}
-        _compat.set_pruning_originals(callback, retaken)
-    if _compat.pruning_is_global(callback) and dist.get_world_size(group) > 1:
+        callback._original_layers = retaken
+    if callback._use_global_unstructured and dist.get_world_size(group) > 1:
         if callback.pruning_fn is not torch_prune.L1Unstructured:
             raise ValueError(
                 f"`ModelPruning(use_global_unstructured=True)` with {callback.pruning_fn!r}: under `PipelineStrategy`"
@@ -117,9 +117,9 @@ def _prune_own_share(
             )
 
         def apply(amount: Any, _callback: ModelPruning = callback) -> None:
-            global_l1_unstructured(_compat.pruning_pairs(_callback), amount, group, device)
+            global_l1_unstructured(_callback._parameters_to_prune, amount, group, device)
 
-        _compat.set_global_pruning(callback, apply)
+        callback._apply_global_pruning = apply
 
 
 def _registered(module: nn.Module, name: str) -> Optional[nn.Parameter]:
@@ -214,7 +214,7 @@ def align_param_groups(
             optimizer.add_param_group(empty)
             for callback in callbacks:
                 if isinstance(callback, BaseFinetuning):
-                    _compat.finetuning_metadata(callback).get(idx, []).append({**extra, "params": []})
+                    callback._internal_optimizer_metadata.get(idx, []).append({**extra, "params": []})
     log.debug("aligned parameter groups: %s", [len(o.param_groups) for o in optimizers])
 
 
@@ -289,7 +289,7 @@ def before_restore(trainer: Any, checkpoint: dict[str, Any], module: nn.Module) 
         if not isinstance(state, dict):
             continue
         if isinstance(callback, StochasticWeightAveraging) and state.get("scheduler_state") is not None:
-            _compat.swa_clear_schedulers(callback, trainer)
+            callback._clear_schedulers(trainer)
         elif isinstance(callback, BaseFinetuning) and state.get("internal_optimizer_metadata"):
             named = dict(module.named_parameters())
             for opt_idx, optimizer in enumerate(trainer.optimizers):
@@ -308,4 +308,4 @@ def after_restore(callbacks: list[Any]) -> None:
     """After Lightning restored the callbacks' state (training starts): ``BaseFinetuning``'s groups are in place."""
     for callback in callbacks:
         if isinstance(callback, BaseFinetuning):
-            _compat.finetuning_restored(callback)
+            callback._restarting = False  # its restored groups are in place, as its on_fit_start says

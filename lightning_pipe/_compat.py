@@ -348,13 +348,8 @@ def count_replicas_in_throughput(callbacks: Any, replicas: int) -> None:
                 throughput.world_size = replicas
 
 
-def swa_average_model(callback: Any) -> Any:
-    """The averaged copy of a ``StochasticWeightAveraging`` or ``WeightAveraging`` callback (``None`` before setup)."""
-    return callback._average_model
 
 
-def set_swa_average_model(callback: Any, model: Any) -> None:
-    callback._average_model = model
 
 
 def averaged_model_like(callback: Any, module: Any, device: torch.device) -> Any:
@@ -364,45 +359,22 @@ def averaged_model_like(callback: Any, module: Any, device: torch.device) -> Any
     return AveragedModel(model=module, device=device, use_buffers=callback._use_buffers, **callback._kwargs)
 
 
-def swa_clear_schedulers(callback: Any, trainer: Any) -> None:
-    callback._clear_schedulers(trainer)
 
 
-def finetuning_metadata(callback: Any) -> dict[int, list[dict[str, Any]]]:
-    """``BaseFinetuning``'s stored parameter groups per optimizer index (by parameter name), what it saves."""
-    return callback._internal_optimizer_metadata
 
 
-def finetuning_restored(callback: Any) -> None:
-    """Tell a ``BaseFinetuning`` callback its restored parameter groups are in place (what its ``on_fit_start`` does
-    after rebuilding them)."""
-    callback._restarting = False
 
 
-def pruning_pairs(callback: Any) -> list[tuple[Any, str]]:
-    return callback._parameters_to_prune
 
 
-def set_pruning_pairs(callback: Any, pairs: list[tuple[Any, str]]) -> None:
-    callback._parameters_to_prune = pairs
 
 
-def pruning_originals(callback: Any) -> Optional[dict[int, Any]]:
-    """``ModelPruning``'s copies of the modules to prune, for the lottery ticket (``None`` without it)."""
-    return callback._original_layers
 
 
-def set_pruning_originals(callback: Any, originals: dict[int, Any]) -> None:
-    callback._original_layers = originals
 
 
-def pruning_is_global(callback: Any) -> bool:
-    return bool(callback._use_global_unstructured)
 
 
-def set_global_pruning(callback: Any, apply: Callable[[Any], None]) -> None:
-    """Make ``ModelPruning`` prune globally with ``apply(amount)``."""
-    callback._apply_global_pruning = apply
 
 
 def keep_loader_order(trainer: Any) -> bool:
@@ -420,9 +392,6 @@ def with_sampler(dataloader: Any, sampler: Any) -> Any:
     return _update_dataloader(dataloader, sampler)
 
 
-def loop_dataloaders(loop: Any) -> Any:
-    """The user's loader(s) of a Lightning loop before it starts iterating."""
-    return loop._data_source.dataloader()
 
 
 @contextmanager
@@ -499,10 +468,6 @@ def keep_forward_actions(schedule: Any) -> None:
     schedule.pipeline_order_with_comms = with_comms
 
 
-def torch_schedules_module() -> Any:
-    import torch.distributed.pipelining.schedules as schedules
-
-    return schedules
 
 
 def schedule_stages(schedule: Any) -> Optional[list[Any]]:
@@ -514,45 +479,23 @@ def schedule_stages(schedule: Any) -> Optional[list[Any]]:
     return None
 
 
-def schedule_has_loss(schedule: Any) -> bool:
-    return getattr(schedule, "_loss_fn", None) is not None
 
 
 # ------------------------------------------------------------------------------------------------ torchmetrics
 
 
-def metric_state_defaults(metric: Any) -> dict[str, Any]:
-    """``{state name: default}`` of a torchmetrics ``Metric`` (``Metric._defaults``)."""
-    return metric._defaults
 
 
-def metric_bookkeeping(metric: Any) -> tuple[int, Any, Any]:
-    """``(update count, last forward's value, cached compute() result)``."""
-    return metric._update_count, metric._forward_cache, metric._computed
 
 
-def set_metric_bookkeeping(metric: Any, update_count: int, forward_cache: Any, computed: Any) -> None:
-    metric._update_count, metric._forward_cache, metric._computed = update_count, forward_cache, computed
 
 
-def reset_metric_sync_cache(metric: Any) -> None:
-    """Forget a cached synced state, as ``Metric.reset`` does."""
-    metric._cache, metric._is_synced = None, False
 
 
-def metric_sync_flags(metric: Any) -> tuple[Any, ...]:
-    """The flags ``Metric.forward`` and ``sync`` change (a ``forward`` interrupted by an error leaves them changed:
-    the metric would then skip its sync in ``compute``, and only on this rank)."""
-    return metric._to_sync, metric._should_unsync, metric._is_synced, metric._cache
 
 
-def set_metric_sync_flags(metric: Any, flags: tuple[Any, ...]) -> None:
-    metric._to_sync, metric._should_unsync, metric._is_synced, metric._cache = flags
 
 
-def merge_metric_state(metric: Any, state: dict[str, Any]) -> None:
-    """Merge ``state`` (the metric's earlier state) into its current one with its own reductions."""
-    metric._reduce_states(state)
 
 
 def compute_without_sync(metric: Any) -> Any:

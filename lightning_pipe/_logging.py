@@ -95,7 +95,7 @@ class LogRecorder:
                         f"`self.log({name!r}, metric)` under `PipelineStrategy` needs the metric to be an attribute of"
                         " the LightningModule, so every rank can log it."
                     )
-                forward_cache = _compat.metric_bookkeeping(last)[1]
+                forward_cache = last._forward_cache
                 entries.append((name, _MetricRef(metric_names[id(last)], forward_cache), options))
                 continue
             entries.append((name, _weighted_mean(name, values, self.weights[name]), options))
@@ -143,7 +143,7 @@ class _MetricStates:
         """From the module's ``(path, metric)`` pairs."""
         templates = []
         for path, metric in metrics:
-            for state in _compat.metric_state_defaults(metric):
+            for state in metric._defaults:
                 value = getattr(metric, state)
                 if isinstance(value, list) and value and isinstance(value[0], torch.Tensor):
                     templates.append((path, state, value[0].dtype, tuple(value[0].shape[1:])))
@@ -346,8 +346,7 @@ def replay(
         if isinstance(value, _MetricRef):
             metric = module.get_submodule(value.path)
             if value.forward_cache is not None:
-                count, _, computed = _compat.metric_bookkeeping(metric)
-                _compat.set_metric_bookkeeping(metric, count, value.forward_cache.to(device), computed)
+                metric._forward_cache = value.forward_cache.to(device)
             value = metric
         elif isinstance(value, torch.Tensor):
             value = value.to(device)

@@ -42,16 +42,17 @@ def per_batch_metrics(metrics: list[tuple[str, Metric]], num_microbatches: int) 
             _put_back(metric, kept)
         raise
     for metric, kept in saved:
-        calls, forward_cache, _ = _compat.metric_bookkeeping(metric)
+        calls, forward_cache = metric._update_count, metric._forward_cache
         if calls == 0:
             _put_back(metric, kept)
             continue
         state, count, _, _, _ = kept
         if forward_cache is not None:
             forward_cache = _compat.compute_without_sync(metric)
-        _compat.set_metric_bookkeeping(metric, count + max(1, calls // num_microbatches), forward_cache, None)
+        metric._update_count = count + max(1, calls // num_microbatches)
+        metric._forward_cache, metric._computed = forward_cache, None
         with torch.no_grad():
-            _compat.merge_metric_state(metric, state)
+            metric._reduce_states(state)  # the earlier state, merged with the metric's own reductions
 
 
 @contextmanager
@@ -70,16 +71,16 @@ _Stashed = tuple[dict[str, Any], int, Any, Any, tuple[Any, ...]]
 
 def _stash(metric: Metric) -> _Stashed:
     """Take the metric's state out (by reference: nothing is copied) and leave it at its defaults."""
-    defaults = _compat.metric_state_defaults(metric)
+    defaults = metric._defaults
     state = {attr: getattr(metric, attr) for attr in defaults}
-    kept = (state, *_compat.metric_bookkeeping(metric), _compat.metric_sync_flags(metric))
+    kept = (state, metric._update_count, metric._forward_cache, metric._computed, _sync_flags(metric))
     for attr, default in defaults.items():
         if isinstance(default, torch.Tensor):
             setattr(metric, attr, default.detach().clone().to(state[attr].device))
         else:
             setattr(metric, attr, [])
-    _compat.set_metric_bookkeeping(metric, 0, None, None)
-    _compat.reset_metric_sync_cache(metric)
+    metric._update_count, metric._forward_cache, metric._computed = 0, None, None
+    metric._cache, metric._is_synced = None, False  # as Metric.reset does
     return kept
 
 
@@ -88,5 +89,11 @@ def _put_back(metric: Metric, kept: _Stashed) -> None:
     state, count, cache, computed, flags = kept
     for attr, value in state.items():
         setattr(metric, attr, value)
-    _compat.set_metric_bookkeeping(metric, count, cache, computed)
-    _compat.set_metric_sync_flags(metric, flags)
+    metric._update_count, metric._forward_cache, metric._computed = count, cache, computed
+    metric._to_sync, metric._should_unsync, metric._is_synced, metric._cache = flags
+
+
+def _sync_flags(metric: Metric) -> tuple[Any, ...]:
+    """The flags ``Metric.forward`` and ``sync`` change: a ``forward`` interrupted by an error leaves them changed,
+    and the metric would then skip its sync in ``compute``, on this rank only."""
+    return metric._to_sync, metric._should_unsync, metric._is_synced, metric._cache

@@ -22,7 +22,6 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
-from lightning_pipe import _compat
 from lightning_pipe._backbone import Backbone
 from lightning_pipe._calls import BlockCalls, BlockRunners, HiddenAt, Structure, loss_of, replace_hidden, slice_batch
 from lightning_pipe._logging import LogRecorder
@@ -41,7 +40,7 @@ def first_batch(module: Any, batch_to_device: Callable[[Any], Any]) -> tuple[Cal
         TrainerFn.TESTING: (trainer.test_loop, module.test_step),
         TrainerFn.PREDICTING: (trainer.predict_loop, module.predict_step),
     }[fn]
-    loaders = _compat.loop_dataloaders(loop)
+    loaders = loop._data_source.dataloader()  # the user's loader(s), before the loop starts
     loader = next(iter(loaders.values())) if isinstance(loaders, dict) else loaders
     loader = loader[0] if isinstance(loader, (list, tuple)) else loader
     with torch.random.fork_rng():

@@ -150,7 +150,8 @@ def test_counts_what_cross_entropy_divides_by():
     weighing = _weigh(lambda: F.cross_entropy(logits, target))
     assert weighing.source == "cross_entropy" and float(weighing.weights[0]) == 4
     class_weight = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0])
-    weighing = _weigh(lambda: torch.nn.CrossEntropyLoss(weight=class_weight, ignore_index=3)(logits, target.clamp(min=0)))
+    weighted = torch.nn.CrossEntropyLoss(weight=class_weight, ignore_index=3)
+    weighing = _weigh(lambda: weighted(logits, target.clamp(min=0)))
     assert float(weighing.weights[0]) == pytest.approx(float(class_weight[[0, 0, 2, 0, 1]].sum()))
     weighing = _weigh(lambda: F.nll_loss(logits.log_softmax(-1), target, reduction="sum"))
     assert weighing.source == "rows" and not weighing.unweighted  # a sum needs no weight

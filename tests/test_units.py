@@ -16,7 +16,6 @@ from lightning.pytorch.callbacks import BaseFinetuning
 from lightning.pytorch.plugins.precision import Precision
 from torch import nn
 
-from lightning_pipe import _compat
 from lightning_pipe._backbone import find_backbone
 from lightning_pipe._callbacks import align_param_groups
 from lightning_pipe._cut import Cut
@@ -239,11 +238,11 @@ def test_align_param_groups_on_one_rank_keeps_the_groups(group):
     a, b = nn.Linear(3, 3), nn.Linear(3, 1)
     optimizer = torch.optim.SGD([{"params": a.parameters(), "lr": 0.1}, {"params": b.parameters(), "lr": 0.01}])
     finetuning = BaseFinetuning()
-    _compat.finetuning_metadata(finetuning)[0] = [{"lr": 0.1, "params": ["a"]}]
+    finetuning._internal_optimizer_metadata[0] = [{"lr": 0.1, "params": ["a"]}]
     align_param_groups([optimizer], group, CPU, [finetuning])
     assert [g["lr"] for g in optimizer.param_groups] == [0.1, 0.01]
     assert [g["params"] for g in optimizer.param_groups] == [list(a.parameters()), list(b.parameters())]
-    assert _compat.finetuning_metadata(finetuning) == {0: [{"lr": 0.1, "params": ["a"]}]}
+    assert finetuning._internal_optimizer_metadata == {0: [{"lr": 0.1, "params": ["a"]}]}
 
 
 # ------------------------------------------------------------------------------------------------ gradient norm

@@ -150,9 +150,9 @@ class TimelineRecorder:
                 install(stage, "backward_weight_one_chunk", lambda f, s=index: self._wrap_weight(f, s))
                 for getter, (direction, payload) in _STAGE_OPS.items():
                     install(stage, getter, lambda f, s=index, d=direction, p=payload: self._wrap_getter(f, s, d, p))
-            if schedule is not None and _compat.schedule_has_loss(schedule):
+            if schedule is not None and getattr(schedule, "_loss_fn", None) is not None:
                 install(schedule, _compat.SCHEDULE_LOSS_METHOD, self._wrap_loss)
-            torch_schedules = _compat.torch_schedules_module()
+            import torch.distributed.pipelining.schedules as torch_schedules
             install(torch_schedules, _compat.P2P_POST, self._wrap_post)
             install(torch_schedules, _compat.P2P_WAIT, self._wrap_wait)
             if distributed:
