@@ -398,9 +398,12 @@ class PipelineRuntime:
             ideal = f" (ideal {value:.1%})"
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
+        shapes = self.pipeline.shape_stats
         rank_zero_info(
             f"PipelineStrategy timeline of step {trainer.global_step}: measured bubble {summary['bubble_fraction']:.1%}"
-            f"{ideal} over {summary['span_s'] * 1e3:.1f} ms; wrote {', '.join(summary['files']) or 'nothing'}"
+            f"{ideal} over {summary['span_s'] * 1e3:.1f} ms; wrote {', '.join(summary['files']) or 'nothing'}."
+            f" Microbatch shapes met so far: {shapes.shapes} ({shapes.built} schedules built in"
+            f" {shapes.build_seconds * 1e3:.0f} ms, {shapes.evicted} evicted, {shapes.kept} kept)"
         )
 
 
