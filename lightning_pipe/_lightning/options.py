@@ -1,0 +1,98 @@
+"""The arguments of ``PipelineStrategy`` that shape the pipeline, checked when the strategy is built.
+
+Each check raises ``ValueError`` naming the argument as the user spelled it and the fix; ``"auto"`` is resolved here
+where it does not depend on the processes (``stages_per_rank``), and later where it does (the sizes, at setup).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Literal, Optional, Union
+
+from lightning_pipe.partition import BALANCE_MODES
+from lightning_pipe.schedules import ScheduleSpec, schedule_spec
+from lightning_pipe.timeline import TimelineOptions
+
+Size = Union[int, Literal["auto"]]
+
+
+@dataclass(frozen=True)
+class PipelineOptions:
+    """The validated ``PipelineStrategy`` arguments that shape the pipeline, under the names the user passes them.
+
+    ``schedule`` is the schedule's spec, ``stages_per_rank`` is resolved, ``timeline`` is resolved (``None``: no
+    trace), and ``stall_timeout`` is in seconds (a ``timedelta`` converted).
+    """
+
+    pipeline_parallel_size: Size
+    data_parallel_size: Size
+    num_microbatches: Size
+    schedule: ScheduleSpec
+    stages_per_rank: int
+    backbone: Union[str, list[str]]
+    balance: Union[str, list[int]]
+    activation_checkpointing: Any
+    timeline: Optional[TimelineOptions]
+    stall_timeout: Optional[float]  # seconds
+    check_data_every_n_batches: Optional[int]
+
+
+def validated_options(
+    pipeline_parallel_size: Any,
+    data_parallel_size: Any,
+    num_microbatches: Any,
+    schedule: str,
+    stages_per_rank: Any,
+    backbone: str,
+    balance: Any,
+    activation_checkpointing: Any,
+    timeline: Any,
+    stall_timeout: Any = None,
+    check_data_every_n_batches: Any = None,
+) -> PipelineOptions:
+    """Check the constructor's arguments (raising ``ValueError`` that names the fix) and resolve ``"auto"`` where
+    it does not depend on the processes."""
+    for name, value in (
+        ("pipeline_parallel_size", pipeline_parallel_size),
+        ("data_parallel_size", data_parallel_size),
+        ("num_microbatches", num_microbatches),
+        ("stages_per_rank", stages_per_rank),
+    ):
+        if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"`PipelineStrategy({name}={value!r})` must be a positive integer or 'auto'.")
+    if isinstance(balance, str) and balance not in BALANCE_MODES:
+        raise ValueError(
+            f"`PipelineStrategy(balance={balance!r})` is unknown. Use one of {list(BALANCE_MODES)} or a list"
+            " with the number of backbone modules in each stage."
+        )
+    spec = schedule_spec(schedule)
+    if stages_per_rank == "auto":
+        stages_per_rank = spec.default_stages_per_rank()
+    if not spec.multi_stage and stages_per_rank != 1:
+        raise ValueError(
+            f"`PipelineStrategy(schedule={spec.name!r})` runs one stage per process, but"
+            f" `stages_per_rank={stages_per_rank}`. Use a multi-stage schedule such as 'Interleaved1F1B', or set"
+            " `stages_per_rank=1`."
+        )
+    if spec.placement == "v" and stages_per_rank != 2:
+        raise ValueError(
+            f"`PipelineStrategy(schedule={spec.name!r})` places exactly 2 stages per process;"
+            f" set `stages_per_rank=2` (got {stages_per_rank})."
+        )
+    seconds = stall_timeout.total_seconds() if isinstance(stall_timeout, timedelta) else stall_timeout
+    if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds <= 0):
+        raise ValueError(
+            f"`PipelineStrategy(stall_timeout={stall_timeout!r})` must be a positive number of seconds, a `timedelta`,"
+            " or None (no report)."
+        )
+    every = check_data_every_n_batches
+    if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+        raise ValueError(
+            f"`PipelineStrategy(check_data_every_n_batches={every!r})` must be a positive integer, or None to turn the"
+            " check off."
+        )
+    return PipelineOptions(
+        pipeline_parallel_size, data_parallel_size, num_microbatches, spec, stages_per_rank, backbone, balance,
+        activation_checkpointing, TimelineOptions.resolve(timeline), seconds, every,
+    )
