@@ -20,8 +20,9 @@ Checkpointing = Union[bool, list[str], Callable[[nn.Module], bool]]
 
 
 # ---------------------------------------------------------------------------------------------- materialising
-def init_seed() -> int:
-    """The seed of meta-device initialisation: ``seed_everything``'s seed (``PL_GLOBAL_SEED``), else 0."""
+def global_seed() -> int:
+    """``seed_everything``'s seed (``PL_GLOBAL_SEED``), else 0: the one place it is read. It seeds meta-device
+    initialisation (:func:`materialize_local`) and the sampler a single pipeline gives a shuffling loader."""
     return int(os.environ.get("PL_GLOBAL_SEED", 0))
 
 
@@ -35,15 +36,15 @@ def materialize_local(module: nn.Module, backbone: Backbone, device: torch.devic
     """Allocate and initialise the tensors of ``module`` that are still on the meta device (after the cut: only
     this rank's).
 
-    Backbone block ``i`` is initialised with its modules' ``reset_parameters()`` under the seed ``init_seed() + i``,
-    so its weights are the same whatever the pipeline size, and equal to those of an unsplit model materialised the
-    same way (:func:`materialize`). The ``k``-th module outside the backbone with tensors of its own uses
-    ``init_seed() + len(backbone) + k``. A tensor shared by several modules (a tied head) keeps the value the first of
-    them gives it.
+    Backbone block ``i`` is initialised with its modules' ``reset_parameters()`` under the seed
+    ``global_seed() + i``, so its weights are the same whatever the pipeline size, and equal to those of an unsplit
+    model materialised the same way (:func:`materialize`). The ``k``-th module outside the backbone with tensors of its
+    own uses ``global_seed() + len(backbone) + k``. A tensor shared by several modules (a tied head) keeps the value
+    the first of them gives it.
     """
     if not _has_meta(module):
         return
-    seed = init_seed()
+    seed = global_seed()
     missing: set[str] = set()
     initialised: set[int] = set()
     for index in range(len(backbone)):
