@@ -1,0 +1,65 @@
+"""The job's processes: the mesh that groups them, the ranks that rank 0 launched, and ending those when it fails."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Optional
+
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from lightning_pipe import _compat
+from lightning_pipe.partition import resolve_sizes
+
+#: How long a failing rank 0 gives the ranks it launched to fail on their own (and say why) before it ends them.
+GRACE_S = 3.0
+
+
+def pipeline_mesh(
+    pipeline_parallel_size: Any,
+    data_parallel_size: Any,
+    world_size: int,
+    device_type: str,
+    backend: Optional[str],
+    timeout: Optional[timedelta],
+) -> DeviceMesh:
+    """The 2-D ``("dp", "pp")`` mesh over every process, its ``"auto"`` sizes resolved against ``world_size``: each
+    row (``mesh["pp"]``) is one pipeline, each column (``mesh["dp"]``) the replicas of one pipeline rank. Every
+    sub-group gets ``timeout``."""
+    pp, dp = resolve_sizes(pipeline_parallel_size, data_parallel_size, world_size)
+    return init_device_mesh(
+        device_type, (dp, pp), mesh_dim_names=("dp", "pp"),
+        backend_override=_compat.mesh_group_options({"dp": dp, "pp": pp}, world_size, backend, timeout),
+    )
+
+
+def launched_processes(launcher: Any) -> list[Any]:
+    """The processes (``subprocess.Popen``) Lightning's launcher started from this one: the other ranks on rank 0 of a
+    job started as one script, else none."""
+    if isinstance(launcher, _compat.subprocess_launcher_class()):
+        return list(launcher.procs)
+    return []
+
+
+def end_launched_processes(launcher: Any, exception: BaseException, rank: int) -> None:
+    """After ``exception`` on the rank that launched the others: they may wait on it in a transfer. Give them a moment
+    to fail on their own (and print why), then end them so that no process is left hanging."""
+    procs = launched_processes(launcher)
+    if not procs:
+        return
+    # Say why now: when a launched rank has failed too, Lightning's observer thread SIGKILLs this process as well,
+    # possibly before Python prints the traceback.
+    text = "".join(traceback.format_exception_only(type(exception), exception)).rstrip()
+    sys.stderr.write(f"[rank {rank}] {text}\n")
+    sys.stderr.flush()
+    deadline = time.monotonic() + GRACE_S
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    launcher.kill(signal.SIGKILL)
