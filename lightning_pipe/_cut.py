@@ -26,6 +26,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_pipe._backbone import Backbone
@@ -228,6 +229,45 @@ class Cut:
         held = self.held(rank)
         numel = sum(t.numel() for t in _unique(held))
         return f"pipeline rank {rank} holds {len(held)} tensors ({numel:,} values)"
+
+
+def connect_ties(
+    cut: Cut,
+    module: nn.Module,
+    mesh: Tensor,
+    rank: int,
+    groups: dict[tuple[int, ...], dist.ProcessGroup],
+    timeout: Any,
+) -> list[tuple[dist.ProcessGroup, list[nn.Parameter]]]:
+    """A process group for every set of pipeline ranks sharing a parameter (in each replica), with this rank's
+    shared parameters; the copies start equal (the first rank's). Every rank creates every group, in order.
+
+    Args:
+        cut: the cut, whose :meth:`Cut.ties` say which ranks share which parameter.
+        module: the module after the split: this rank's parameters.
+        mesh: the global ranks as ``[replica][pipeline rank]`` (``DeviceMesh.mesh``).
+        rank: this process's global rank.
+        groups: the groups created so far, by their global ranks: reused, and new ones added (a group is created
+            once per job, since every rank must create each one).
+        timeout: of the groups created.
+    """
+    by_ranks: dict[tuple[int, ...], list[tuple[str, int]]] = {}
+    for name, ranks, source in cut.ties():
+        by_ranks.setdefault(tuple(sorted(ranks)), []).append((name, source))
+    held = {cut.names.first_name[id(p)]: p for p in module.parameters()}
+    result = []
+    for ranks, shared in sorted(by_ranks.items()):
+        for replica in range(mesh.shape[0]):
+            members = tuple(int(mesh[replica][r]) for r in ranks)
+            if members not in groups:
+                groups[members] = dist.new_group(list(members), timeout=timeout)
+            if rank in members:
+                group = groups[members]
+                for name, source in shared:
+                    dist.broadcast(held[name].data, group_src=ranks.index(source), group=group)
+                result.append((group, [held[name] for name, _ in shared]))
+    log.debug("rank %d: %d tied parameter groups", rank, len(result))
+    return result
 
 
 def _registrations(module: nn.Module) -> list[Registration]:

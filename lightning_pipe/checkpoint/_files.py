@@ -25,12 +25,16 @@ import logging
 import os
 import shutil
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
 from lightning_pipe.checkpoint._safe import DamagedCheckpointError, load_torch_file
+
+if TYPE_CHECKING:
+    from lightning_pipe.partition import StageLayout
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +74,19 @@ def write_meta(meta: dict[str, Any], path: Path) -> None:
         torch.save(meta, f)
         f.flush()
         os.fsync(f.fileno())
+
+
+def layout_record(layout: StageLayout, data_parallel_size: int, backbone: Sequence[str]) -> dict[str, Any]:
+    """The pipeline layout a checkpoint is saved with, as :func:`layout_of` reads it back: the stage ``bounds``, the
+    sizes, the placement style and the backbone's paths."""
+    return {
+        "bounds": [list(b) for b in layout.bounds],
+        "pipeline_parallel_size": layout.pipeline_size,
+        "data_parallel_size": data_parallel_size,
+        "stages_per_rank": layout.stages_per_rank,
+        "style": layout.style,
+        "backbone": list(backbone),
+    }
 
 
 def layout_of(meta: dict[str, Any]) -> dict[str, Any]:
