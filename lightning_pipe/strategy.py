@@ -1,24 +1,18 @@
 """``PipelineStrategy``: Lightning's hooks mapped onto a torch.distributed.pipelining pipeline.
 
 Each hook is a few lines: the work is done by the runtime built in ``setup`` (:mod:`lightning_pipe._runtime`) and by
-helpers that take explicit arguments (splitting, checkpoints, the precision plugin).
+helpers that take explicit arguments (splitting, checkpoints, the precision plugin, and the adapters to Lightning in
+:mod:`lightning_pipe._lightning`: options, data loaders, processes).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import os
-import signal
-import subprocess
-import sys
-import time
-import traceback
 from collections.abc import Generator
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import lightning.pytorch as pl
 import torch
@@ -35,12 +29,15 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
+from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
 from lightning_pipe import _callbacks, _compat, _stage, _watchdog
-from lightning_pipe._cut import Cut, drop_ghosts
+from lightning_pipe._cut import Cut, connect_ties, drop_ghosts
+from lightning_pipe._lightning import data
+from lightning_pipe._lightning.options import Size as _Size
+from lightning_pipe._lightning.options import validated_options
+from lightning_pipe._lightning.processes import end_launched_processes, launched_processes, pipeline_mesh
 from lightning_pipe._microbatches import MicrobatchPolicy
 from lightning_pipe._precision import PipelinePrecision, pipeline_precision
 from lightning_pipe._profile import first_batch, measure_backbone
@@ -49,8 +46,8 @@ from lightning_pipe._split import cut_module, refuse_unsupported
 from lightning_pipe._summary import summarize_whole_model
 from lightning_pipe.checkpoint import _dcp, _files
 from lightning_pipe.checkpoint._names import all_gather
-from lightning_pipe.partition import BALANCE_MODES, StageLayout, resolve_sizes
-from lightning_pipe.schedules import SCHEDULES, ScheduleSpec, schedule_spec
+from lightning_pipe.partition import StageLayout
+from lightning_pipe.schedules import SCHEDULES
 from lightning_pipe.timeline import TimelineOptions
 
 if TYPE_CHECKING:
@@ -60,24 +57,6 @@ __all__ = ["PipelineStrategy"]
 
 log = logging.getLogger(__name__)
 
-_Size = Union[int, Literal["auto"]]
-
-
-@dataclass(frozen=True)
-class _Options:
-    """The validated ``PipelineStrategy`` arguments that shape the pipeline."""
-
-    pipeline_parallel_size: _Size
-    data_parallel_size: _Size
-    num_microbatches: _Size
-    schedule: ScheduleSpec
-    stages_per_rank: int
-    backbone: Union[str, list[str]]
-    balance: Union[str, list[int]]
-    activation_checkpointing: Any
-    timeline: Optional[TimelineOptions]
-    stall_after: Optional[float]  # seconds
-    check_data_every: Optional[int]
 
 
 class PipelineStrategy(ParallelStrategy):
@@ -180,7 +159,7 @@ class PipelineStrategy(ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        self._options = _validated_options(
+        self._options = validated_options(
             pipeline_parallel_size, data_parallel_size, num_microbatches, schedule, stages_per_rank, backbone, balance,
             activation_checkpointing, timeline, stall_timeout, check_data_every_n_batches,
         )
@@ -188,7 +167,7 @@ class PipelineStrategy(ParallelStrategy):
         self._timeout = timeout
         self._device_mesh: Optional[DeviceMesh] = None
         self._runtime: Optional[PipelineRuntime] = None
-        self._tie_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        self._tie_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}  # by global ranks; created once per job
         self._failed = False  # set by `on_exception`: teardown must not wait on the other ranks then
         self._own_sampling = False  # one replica: the strategy, not Lightning, decides the loaders' samplers
         self.num_nodes = 1
@@ -254,8 +233,7 @@ class PipelineStrategy(ParallelStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # Every stage of one pipeline must see the same batch: the sampler splits over replicas only.
-        return {"num_replicas": self.data_parallel_size, "rank": self.data_parallel_rank}
+        return data.sampler_kwargs(self.data_parallel_size, self.data_parallel_rank)
 
     @property
     def process_group_backend(self) -> Optional[str]:
@@ -300,23 +278,17 @@ class PipelineStrategy(ParallelStrategy):
             # Built once per strategy: Lightning keeps each logged key's `sync_dist_group` across `fit`, `validate`,
             # `test` on one Trainer and refuses another group object for the same key.
             options = self._options
-            pp, dp = resolve_sizes(options.pipeline_parallel_size, options.data_parallel_size, self.world_size)
-            self._device_mesh = init_device_mesh(
-                self.root_device.type, (dp, pp), mesh_dim_names=("dp", "pp"),
-                backend_override=_compat.mesh_group_options(
-                    {"dp": dp, "pp": pp}, self.world_size, self._process_group_backend, self._timeout
-                ),
+            self._device_mesh = pipeline_mesh(
+                options.pipeline_parallel_size, options.data_parallel_size, self.world_size, self.root_device.type,
+                self._process_group_backend, self._timeout,
             )
-            log.debug("rank %d: mesh dp=%d x pp=%d, pipeline rank %d", self.global_rank, dp, pp, self.pipeline_rank)
+            log.debug(
+                "rank %d: mesh dp=%d x pp=%d, pipeline rank %d",
+                self.global_rank, self.data_parallel_size, self.pipeline_parallel_size, self.pipeline_rank,
+            )
         assert self.lightning_module is not None
         _compat.set_device_mesh(self.lightning_module, self._device_mesh)
-        _watchdog.start(self.global_rank, self._launched_processes, self._options.stall_after)
-
-    def _launched_processes(self) -> list[Any]:
-        launcher = self.launcher
-        if isinstance(launcher, _compat.subprocess_launcher_class()):
-            return list(launcher.procs)
-        return []
+        _watchdog.start(self.global_rank, lambda: launched_processes(self.launcher), self._options.stall_timeout)
 
     def _setup_distributed(self) -> None:
         reset_seed()
@@ -335,74 +307,92 @@ class PipelineStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ setup
     @override
     def setup(self, trainer: pl.Trainer) -> None:
+        """Build this rank's pipeline for the ``Trainer`` call that starts. Every rank runs these steps in this order,
+        since several of them talk to the other ranks:
+
+        1. refuse what the pipeline cannot run, with a message that names the fix;
+        2. cut the module into stages and materialise this rank's (:meth:`_cut_into_stages`);
+        3. tell the callbacks, the model summary and the data loaders about the cut (:meth:`_adapt_to_cut`);
+        4. convert the module and its ghosts to the precision plugin's dtypes, on the device;
+        5. connect the copies of each tied parameter over the ranks that hold them (``_cut.connect_ties``);
+        6. build the runtime, and let the precision plugin clip by the norm over the whole pipeline;
+        7. when fitting, the optimizers over this rank's parameters, on the device.
+        """
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
-        module = self.lightning_module
-        assert module is not None
-        options, device, mesh = self._options, self.root_device, self.device_mesh
-        fitting = trainer.state.fn == TrainerFn.FITTING
-        pp, rank = self.pipeline_parallel_size, self.pipeline_rank
+        module, fitting = self.lightning_module, trainer.state.fn == TrainerFn.FITTING
         refuse_unsupported(
-            module, fitting=fitting, sync_batchnorm=self._layer_sync is not None, pipeline_parallel_size=pp
+            module, fitting=fitting, sync_batchnorm=self._layer_sync is not None,
+            pipeline_parallel_size=self.pipeline_parallel_size,
         )
-        microbatches = MicrobatchPolicy(options.num_microbatches, options.schedule, pp, options.stages_per_rank)
+        options = self._options
+        microbatches = MicrobatchPolicy(
+            options.num_microbatches, options.schedule, self.pipeline_parallel_size, options.stages_per_rank
+        )
+        cut = self._cut_into_stages(microbatches, fitting)
+        self._adapt_to_cut(trainer, cut)
+        self._convert_precision(cut)
+        ties = connect_ties(cut, module, self.device_mesh.mesh, self.global_rank, self._tie_groups, self._timeout)
+        self._runtime = self._build_runtime(cut, microbatches, ties)
+        self._setup_optimization(trainer, fitting)
+        log.debug("rank %d: setup done for %s", self.global_rank, trainer.state.fn)
+
+    def _cut_into_stages(self, microbatches: MicrobatchPolicy, fitting: bool) -> Cut:
+        """Cut the module into stages (timed first for ``balance="time"``); keep and materialise this rank's."""
+        module, options, device = self.lightning_module, self._options, self.root_device
         measure = functools.partial(
             measure_backbone, module, device=device, microbatches=microbatches,
             step_context=self.precision_plugin.train_step_context,
         )
         cut = cut_module(
-            module, options.backbone, pipeline_parallel_size=pp, stages_per_rank=options.stages_per_rank,
-            pipeline_rank=rank, schedule=options.schedule, balance=options.balance, device=device, fitting=fitting,
+            module, options.backbone, pipeline_parallel_size=self.pipeline_parallel_size,
+            stages_per_rank=options.stages_per_rank, pipeline_rank=self.pipeline_rank, schedule=options.schedule,
+            balance=options.balance, device=device, fitting=fitting,
             sample=lambda: first_batch(module, self.batch_to_device), measure=measure,
         )
         _stage.materialize_local(module, cut.backbone, device)
+        return cut
+
+    def _adapt_to_cut(self, trainer: pl.Trainer, cut: Cut) -> None:
+        """Callbacks learn this rank's share, summary and throughput count the whole model, samplers are chosen."""
+        module = self.lightning_module
         tied = _shared_parameters(module, cut)
-        _callbacks.after_cut(trainer.callbacks, module, tied=tied, group=mesh.get_group("pp"), device=device)
+        _callbacks.after_cut(
+            trainer.callbacks, module, tied=tied, group=self.device_mesh.get_group("pp"), device=self.root_device
+        )
         trainer.callbacks = summarize_whole_model(trainer.callbacks, cut.param_counts)
         _compat.count_replicas_in_throughput(trainer.callbacks, self.data_parallel_size)
-        if self.data_parallel_size == 1 and not self._own_sampling:
-            self._own_sampling = _compat.keep_loader_order(trainer)
-        self.model = self.precision_plugin.convert_module(module)
-        cut.convert_ghosts(rank, self.precision_plugin.convert_module)
+        self._own_sampling = self._own_sampling or data.takes_over_sampling(trainer, self.data_parallel_size)
+
+    def _convert_precision(self, cut: Cut) -> None:
+        """The module (and the ghosts of what other ranks hold) in the precision plugin's dtypes, on the device."""
+        self.model = self.precision_plugin.convert_module(self.lightning_module)
+        cut.convert_ghosts(self.pipeline_rank, self.precision_plugin.convert_module)
         self.model_to_device()
-        ties = self._tie_groups_of(cut)
-        self._runtime = PipelineRuntime(
-            module, cut, options.schedule, microbatches, mesh.get_group("pp"), mesh.get_group("dp"), ties, device,
-            _stage.checkpointed_blocks(options.activation_checkpointing),
+
+    def _build_runtime(
+        self, cut: Cut, microbatches: MicrobatchPolicy, ties: list[tuple[dist.ProcessGroup, list[nn.Parameter]]]
+    ) -> PipelineRuntime:
+        """This rank's pipeline; the precision plugin clips by the pipeline's norm, a tied parameter counted once."""
+        options, mesh, pipeline = self._options, self.device_mesh, self.device_mesh.get_group("pp")
+        runtime = PipelineRuntime(
+            self.lightning_module, cut, options.schedule, microbatches, pipeline, mesh.get_group("dp"), ties,
+            self.root_device, _stage.checkpointed_blocks(options.activation_checkpointing),
             amp_scaler=getattr(self.precision_plugin, "scaler", None), timeline=options.timeline,
-            check_data_every=options.check_data_every,
+            check_data_every=options.check_data_every_n_batches,
         )
         assert isinstance(self.precision_plugin, PipelinePrecision)
         counted_once = {id(p) for group, params in ties for p in params if dist.get_rank(group) != 0}
-        self.precision_plugin.connect_pipeline(mesh.get_group("pp"), counted=lambda p: id(p) not in counted_once)
+        self.precision_plugin.connect_pipeline(pipeline, counted=lambda p: id(p) not in counted_once)
+        return runtime
+
+    def _setup_optimization(self, trainer: pl.Trainer, fitting: bool) -> None:
+        """As in Lightning's ``ModelParallelStrategy``: optimizers, precision plugin, optimizer state on the device."""
         if fitting:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if fitting:
-            _compat.optimizers_to_device(self.optimizers, device)
-        log.debug("rank %d: setup done for %s", self.global_rank, trainer.state.fn)
-
-    @override
-    def process_dataloader(self, dataloader: object) -> object:
-        """With one pipeline (no data parallelism) the loaders are left as they are, not given Lightning's shuffling
-        distributed sampler: a ``shuffle=False`` loader keeps its order, as on one device. A loader that shuffles
-        from the global random state (``shuffle=True`` without a ``generator``) would draw a different order on each
-        stage, whose random states part ways: it gets a sampler seeded the same on every stage and reshuffled every
-        epoch (``DistributedSampler(num_replicas=1, seed=<seed_everything's, else 0>)``, what DDP gives each
-        replica). Any other sampler is kept; the same-data check catches one that differs between stages."""
-        if not self._own_sampling or not isinstance(dataloader, DataLoader):
-            return dataloader
-        sampler = dataloader.sampler
-        if (
-            type(sampler) is RandomSampler
-            and sampler.generator is None
-            and not sampler.replacement
-            and sampler.num_samples == len(sampler.data_source)  # a DistributedSampler draws the whole dataset
-        ):
-            seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
-            same = DistributedSampler(dataloader.dataset, num_replicas=1, rank=0, shuffle=True, seed=seed)
-            return _compat.with_sampler(dataloader, same)
-        return dataloader
+            _compat.optimizers_to_device(self.optimizers, self.root_device)
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
@@ -413,27 +403,11 @@ class PipelineStrategy(ParallelStrategy):
             super().setup_optimizers(trainer)
         drop_ghosts(self.optimizers)
 
-    def _tie_groups_of(self, cut: Cut) -> list[tuple[dist.ProcessGroup, list[nn.Parameter]]]:
-        """A process group for every set of pipeline ranks sharing a parameter (in each replica), with this rank's
-        shared parameters; the copies start equal (the first rank's). Every rank creates every group, in order."""
-        mesh = self.device_mesh.mesh  # [replica][pipeline rank] -> global rank
-        by_ranks: dict[tuple[int, ...], list[tuple[str, int]]] = {}
-        for name, ranks, source in cut.ties():
-            by_ranks.setdefault(tuple(sorted(ranks)), []).append((name, source))
-        held = {cut.names.first_name[id(p)]: p for p in self.lightning_module.parameters()}
-        result = []
-        for ranks, shared in sorted(by_ranks.items()):
-            for replica in range(mesh.shape[0]):
-                members = tuple(int(mesh[replica][r]) for r in ranks)
-                if members not in self._tie_groups:
-                    self._tie_groups[members] = dist.new_group(list(members), timeout=self._timeout)
-                if self.global_rank in members:
-                    group = self._tie_groups[members]
-                    for name, source in shared:
-                        dist.broadcast(held[name].data, group_src=ranks.index(source), group=group)
-                    result.append((group, [held[name] for name, _ in shared]))
-        log.debug("rank %d: %d tied parameter groups", self.global_rank, len(result))
-        return result
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """With one pipeline, the loaders keep their order or get a sampler seeded the same on every stage
+        (:func:`lightning_pipe._lightning.data.same_order_on_every_stage`)."""
+        return data.same_order_on_every_stage(dataloader) if self._own_sampling else dataloader
 
     @override
     def model_to_device(self) -> None:
@@ -459,12 +433,13 @@ class PipelineStrategy(ParallelStrategy):
     @override
     def on_train_start(self) -> None:
         _callbacks.after_restore(self.lightning_module.trainer.callbacks)
-        self.runtime.microbatches.check_batch_size(_batch_size(self.lightning_module.trainer.train_dataloader), "train")
+        loader = self.lightning_module.trainer.train_dataloader
+        self.runtime.microbatches.check_batch_size(data.batch_size(loader), "train")
 
     @override
     def on_validation_start(self) -> None:
-        for loader in _loaders(self.lightning_module.trainer.val_dataloaders):
-            self.runtime.microbatches.check_batch_size(_batch_size(loader), "validation")
+        for loader in data.loaders(self.lightning_module.trainer.val_dataloaders):
+            self.runtime.microbatches.check_batch_size(data.batch_size(loader), "validation")
 
     # ------------------------------------------------------------------ steps
     @override
@@ -538,18 +513,10 @@ class PipelineStrategy(ParallelStrategy):
         if storage_options is not None:
             raise TypeError(f"`{type(self).__name__}.save_checkpoint(..., storage_options=...)` is not supported.")
         cut = self.runtime.cut
-        layout = cut.layout
         checkpoint = dict(checkpoint)
         local_states = _callbacks.local_states(checkpoint)
         _callbacks.merge_finetuning_metadata(checkpoint, all_gather)
-        stored_layout = {
-            "bounds": [list(b) for b in layout.bounds],
-            "pipeline_parallel_size": layout.pipeline_size,
-            "data_parallel_size": self.data_parallel_size,
-            "stages_per_rank": layout.stages_per_rank,
-            "style": layout.style,
-            "backbone": list(cut.backbone.paths),
-        }
+        stored_layout = _files.layout_record(cut.layout, self.data_parallel_size, cut.backbone.paths)
         _dcp.save(
             checkpoint, self.broadcast(filepath), module=self.lightning_module, optimizers=self.optimizers,
             names=cut.names, layout=stored_layout, is_global_zero=self.is_global_zero,
@@ -583,22 +550,7 @@ class PipelineStrategy(ParallelStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         self._failed = True
-        # Rank 0 launched the other ranks; if it fails they may wait on it in a transfer. Give them a moment to
-        # fail on their own (and print why), then end them so that no process is left hanging.
-        procs = self._launched_processes()
-        if procs:
-            # Say why now: when a launched rank has failed too, Lightning's observer thread SIGKILLs this process
-            # as well, possibly before Python prints the traceback.
-            text = "".join(traceback.format_exception_only(type(exception), exception)).rstrip()
-            sys.stderr.write(f"[rank {self.global_rank}] {text}\n")
-            sys.stderr.flush()
-            deadline = time.monotonic() + 3.0
-            for proc in procs:
-                try:
-                    proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    pass
-            self.launcher.kill(signal.SIGKILL)
+        end_launched_processes(self.launcher, exception, self.global_rank)
 
     @override
     def teardown(self) -> None:
@@ -624,82 +576,8 @@ class PipelineStrategy(ParallelStrategy):
                     strategy_registry.register(name, cls, description=description, schedule=spec.name)
 
 
-def _validated_options(
-    pipeline_parallel_size: Any,
-    data_parallel_size: Any,
-    num_microbatches: Any,
-    schedule: str,
-    stages_per_rank: Any,
-    backbone: str,
-    balance: Any,
-    activation_checkpointing: Any,
-    timeline: Any,
-    stall_timeout: Any = None,
-    check_data_every_n_batches: Any = None,
-) -> _Options:
-    """Check the constructor's arguments (raising ``ValueError`` that names the fix) and resolve ``"auto"`` where
-    it does not depend on the processes."""
-    for name, value in (
-        ("pipeline_parallel_size", pipeline_parallel_size),
-        ("data_parallel_size", data_parallel_size),
-        ("num_microbatches", num_microbatches),
-        ("stages_per_rank", stages_per_rank),
-    ):
-        if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ValueError(f"`PipelineStrategy({name}={value!r})` must be a positive integer or 'auto'.")
-    if isinstance(balance, str) and balance not in BALANCE_MODES:
-        raise ValueError(
-            f"`PipelineStrategy(balance={balance!r})` is unknown. Use one of {list(BALANCE_MODES)} or a list"
-            " with the number of backbone modules in each stage."
-        )
-    spec = schedule_spec(schedule)
-    if stages_per_rank == "auto":
-        stages_per_rank = spec.default_stages_per_rank()
-    if not spec.multi_stage and stages_per_rank != 1:
-        raise ValueError(
-            f"`PipelineStrategy(schedule={spec.name!r})` runs one stage per process, but"
-            f" `stages_per_rank={stages_per_rank}`. Use a multi-stage schedule such as 'Interleaved1F1B', or set"
-            " `stages_per_rank=1`."
-        )
-    if spec.placement == "v" and stages_per_rank != 2:
-        raise ValueError(
-            f"`PipelineStrategy(schedule={spec.name!r})` places exactly 2 stages per process;"
-            f" set `stages_per_rank=2` (got {stages_per_rank})."
-        )
-    stall_after = stall_timeout.total_seconds() if isinstance(stall_timeout, timedelta) else stall_timeout
-    if stall_after is not None and (isinstance(stall_after, bool) or not isinstance(stall_after, (int, float))
-                                    or stall_after <= 0):
-        raise ValueError(
-            f"`PipelineStrategy(stall_timeout={stall_timeout!r})` must be a positive number of seconds, a `timedelta`,"
-            " or None (no report)."
-        )
-    every = check_data_every_n_batches
-    if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
-        raise ValueError(
-            f"`PipelineStrategy(check_data_every_n_batches={every!r})` must be a positive integer, or None to turn the"
-            " check off."
-        )
-    return _Options(
-        pipeline_parallel_size, data_parallel_size, num_microbatches, spec, stages_per_rank, backbone, balance,
-        activation_checkpointing, TimelineOptions.resolve(timeline), stall_after, every,
-    )
-
 
 def _shared_parameters(module: nn.Module, cut: Cut) -> set[int]:
     """Ids of this rank's parameters that are tied: held by several ranks, or under several names."""
     shared = {name for name, _, _ in cut.ties()} | set(cut.names.aliases.values())
     return {id(p) for p in module.parameters() if cut.names.first_name.get(id(p)) in shared}
-
-
-def _batch_size(loader: Any) -> Any:
-    return getattr(loader, "batch_size", None)
-
-
-def _loaders(loaders: Any) -> list[Any]:
-    if loaders is None:
-        return []
-    if isinstance(loaders, (list, tuple)):
-        return list(loaders)
-    if isinstance(loaders, dict):
-        return list(loaders.values())
-    return [loaders]
