@@ -12,8 +12,8 @@ with an underscore are internal.
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_pipe._backbone import BackboneCallError
-from lightning_pipe._stage import materialize
+from lightning_pipe._errors import BackboneCallError
+from lightning_pipe._model.materialize import materialize
 from lightning_pipe.checkpoint import load_from_checkpoint, stored_balance
 from lightning_pipe.partition import StageLayout
 from lightning_pipe.schedules import SCHEDULE_NAMES

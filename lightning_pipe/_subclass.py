@@ -1,11 +1,10 @@
 """Copies of Lightning objects whose class is a subclass of the user's, under the user's class name.
 
-The strategy hands Lightning a changed copy of the user's precision plugin (:mod:`lightning_pipe._precision`) and of
-each summary callback (:mod:`lightning_pipe._summary`). The copy's class puts a mixin in front of the user's class and
-keeps its ``__name__``, ``__qualname__`` and ``__module__``: ``isinstance`` against the user's class still holds, and
-Lightning saves and restores the state of a plugin or callback under a key made from its class's qualified name, which
-stays the user's. The user's object is not changed.
-"""
+The strategy hands Lightning a changed copy of the user's precision plugin (:mod:`lightning_pipe._lightning.precision`)
+and of each summary callback (:mod:`lightning_pipe._lightning.summary`). The copy's class puts a mixin in front of the
+user's class and keeps its ``__name__``, ``__qualname__`` and ``__module__``: ``isinstance`` against the user's class
+still holds, and Lightning saves and restores the state of a plugin or callback under a key made from its class's
+qualified name, which stays the user's. The user's object is not changed. """
 
 from __future__ import annotations
 

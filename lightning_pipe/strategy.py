@@ -1,7 +1,7 @@
 """``PipelineStrategy``: Lightning's hooks mapped onto a torch.distributed.pipelining pipeline.
 
-Each hook is a few lines: the work is done by the runtime built in ``setup`` (:mod:`lightning_pipe._runtime`) and by
-helpers that take explicit arguments (splitting, checkpoints, the precision plugin, and the adapters to Lightning in
+Each hook is a few lines: the work is done by the runtime built in ``setup`` (:mod:`lightning_pipe._step.runtime`) and
+by helpers that take explicit arguments (splitting, checkpoints, the precision plugin, and the adapters to Lightning in
 :mod:`lightning_pipe._lightning`: options, data loaders, processes).
 """
 
@@ -19,10 +19,17 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _sync_ddp_if_available,
+)
 from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
@@ -32,18 +39,21 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
-from lightning_pipe import _callbacks, _compat, _stage, _watchdog
-from lightning_pipe._cut import Cut, connect_ties, drop_ghosts
+from lightning_pipe import _watchdog
+from lightning_pipe._compat.lightning import count_replicas_in_throughput, init_process_group
+from lightning_pipe._lightning import callbacks as _callbacks
 from lightning_pipe._lightning import data
 from lightning_pipe._lightning.options import Size as _Size
 from lightning_pipe._lightning.options import validated_options
+from lightning_pipe._lightning.precision import PipelinePrecision, pipeline_precision
 from lightning_pipe._lightning.processes import end_launched_processes, launched_processes, pipeline_mesh
-from lightning_pipe._microbatches import MicrobatchPolicy
-from lightning_pipe._precision import PipelinePrecision, pipeline_precision
-from lightning_pipe._profile import first_batch, measure_backbone
-from lightning_pipe._runtime import PipelineRuntime
-from lightning_pipe._split import cut_module, refuse_unsupported
-from lightning_pipe._summary import summarize_whole_model
+from lightning_pipe._lightning.summary import summarize_whole_model
+from lightning_pipe._model import materialize as _materialize
+from lightning_pipe._model.cut import Cut, connect_ties, drop_ghosts
+from lightning_pipe._model.profile import first_batch, measure_backbone
+from lightning_pipe._model.split import refuse_unsupported, split_module
+from lightning_pipe._step.microbatches import MicrobatchPolicy
+from lightning_pipe._step.runtime import PipelineRuntime
 from lightning_pipe.checkpoint import _dcp, _files
 from lightning_pipe.checkpoint._names import all_gather
 from lightning_pipe.partition import StageLayout
@@ -267,7 +277,7 @@ class PipelineStrategy(ParallelStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if not self.cluster_environment.creates_processes_externally:
-            launcher = _compat.subprocess_launcher_class()
+            launcher = _SubprocessScriptLauncher
             self._launcher = launcher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     @override
@@ -287,16 +297,16 @@ class PipelineStrategy(ParallelStrategy):
                 self.global_rank, self.data_parallel_size, self.pipeline_parallel_size, self.pipeline_rank,
             )
         assert self.lightning_module is not None
-        _compat.set_device_mesh(self.lightning_module, self._device_mesh)
+        self.lightning_module._device_mesh = self._device_mesh  # what `LightningModule.device_mesh` returns
         _watchdog.start(self.global_rank, lambda: launched_processes(self.launcher), self._options.stall_timeout)
 
     def _setup_distributed(self) -> None:
         reset_seed()
         self.set_world_ranks()
-        backend = self._process_group_backend or _compat.default_process_group_backend(self.root_device)
+        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
         self._process_group_backend = backend
         assert self.cluster_environment is not None
-        _compat.init_process_group(self.cluster_environment, backend, self._timeout, self.root_device)
+        init_process_group(self.cluster_environment, backend, self._timeout, self.root_device)
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -341,16 +351,16 @@ class PipelineStrategy(ParallelStrategy):
         """Cut the module into stages (timed first for ``balance="time"``); keep and materialise this rank's."""
         module, options, device = self.lightning_module, self._options, self.root_device
         measure = functools.partial(
-            measure_backbone, module, device=device, microbatches=microbatches,
+            measure_backbone, module, device=device, microbatches_for=microbatches.for_batch,
             step_context=self.precision_plugin.train_step_context,
         )
-        cut = cut_module(
+        cut = split_module(
             module, options.backbone, pipeline_parallel_size=self.pipeline_parallel_size,
             stages_per_rank=options.stages_per_rank, pipeline_rank=self.pipeline_rank, schedule=options.schedule,
             balance=options.balance, device=device, fitting=fitting,
             sample=lambda: first_batch(module, self.batch_to_device), measure=measure,
         )
-        _stage.materialize_local(module, cut.backbone, device)
+        _materialize.materialize_local(module, cut.backbone, device)
         return cut
 
     def _adapt_to_cut(self, trainer: pl.Trainer, cut: Cut) -> None:
@@ -361,7 +371,7 @@ class PipelineStrategy(ParallelStrategy):
             trainer.callbacks, module, tied=tied, group=self.device_mesh.get_group("pp"), device=self.root_device
         )
         trainer.callbacks = summarize_whole_model(trainer.callbacks, cut.param_counts)
-        _compat.count_replicas_in_throughput(trainer.callbacks, self.data_parallel_size)
+        count_replicas_in_throughput(trainer.callbacks, self.data_parallel_size)
         self._own_sampling = self._own_sampling or data.takes_over_sampling(trainer, self.data_parallel_size)
 
     def _convert_precision(self, cut: Cut) -> None:
@@ -377,7 +387,7 @@ class PipelineStrategy(ParallelStrategy):
         options, mesh, pipeline = self._options, self.device_mesh, self.device_mesh.get_group("pp")
         runtime = PipelineRuntime(
             self.lightning_module, cut, options.schedule, microbatches, pipeline, mesh.get_group("dp"), ties,
-            self.root_device, _stage.checkpointed_blocks(options.activation_checkpointing),
+            self.root_device, _materialize.checkpointed_blocks(options.activation_checkpointing),
             amp_scaler=getattr(self.precision_plugin, "scaler", None), timeline=options.timeline,
             check_data_every=options.check_data_every_n_batches,
         )
@@ -392,7 +402,7 @@ class PipelineStrategy(ParallelStrategy):
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if fitting:
-            _compat.optimizers_to_device(self.optimizers, self.root_device)
+            _optimizers_to_device(self.optimizers, self.root_device)
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
@@ -479,7 +489,7 @@ class PipelineStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ collectives
     @override
     def barrier(self, name: Optional[str] = None) -> None:
-        if not _compat.distributed_is_initialized():
+        if not _distributed_is_initialized():
             return
         with _watchdog.waiting(lambda: f"every rank to reach the barrier {name or ''}".rstrip()):
             if dist.get_backend() == "nccl":
@@ -489,7 +499,7 @@ class PipelineStrategy(ParallelStrategy):
 
     @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        if not _compat.distributed_is_initialized():
+        if not _distributed_is_initialized():
             return obj
         box = [obj]
         with _watchdog.waiting(lambda: f"a broadcast from rank {src} (Lightning's `strategy.broadcast`)"):
@@ -504,7 +514,7 @@ class PipelineStrategy(ParallelStrategy):
         reduce_op: Optional[Union[ReduceOp, str]] = "mean",
     ) -> Tensor:
         if isinstance(tensor, Tensor):
-            return _compat.sync_ddp_if_available(tensor, group, reduce_op)
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
     # ------------------------------------------------------------------ checkpoints

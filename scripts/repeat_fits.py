@@ -63,7 +63,7 @@ def child(args: argparse.Namespace) -> None:
         sys.setswitchinterval(args.switch_interval)
     strategy = PipelineStrategy(num_microbatches=2) if args.strategy == "pipeline" else "ddp"
     if args.delay_recv:  # fault injection: rank 0 takes the last step's log broadcast late
-        from lightning_pipe._logging import LogChannel
+        from lightning_pipe._lightning.log import LogChannel
 
         share = LogChannel.share
 

@@ -52,7 +52,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import models
 
-from lightning_pipe import PipelineStrategy, _compat
+from lightning_pipe import PipelineStrategy
+from lightning_pipe._compat import torch as torch_compat
 from lightning_pipe.checkpoint import _dcp
 from lightning_pipe.checkpoint._files import META_FILENAME, TMP_SUFFIX
 from lightning_pipe.checkpoint._safe import SafeFileSystemReader, load_dcp_metadata
@@ -109,7 +110,7 @@ def craft(good: Path, into: Path) -> dict[str, Path]:
     torch.save({**meta, "user_state": fractions.Fraction(1, 3)}, copy_of("custom_object") / META_FILENAME)
 
     def rewrite(case: str, change: Any) -> None:
-        state = _compat.read_dcp_in_one_process(good, storage_reader=SafeFileSystemReader(good))
+        state = torch_compat.read_dcp_in_one_process(good, storage_reader=SafeFileSystemReader(good))
         change(state)
         dst = into / f"{case}.ckpt"
         torch.distributed.checkpoint.save(state, checkpoint_id=dst, no_dist=True)

@@ -11,11 +11,11 @@ import torch
 from helpers import assert_parity, reference, run_job
 from torch import nn
 
-from lightning_pipe._backbone import find_backbone
-from lightning_pipe._metrics import metrics_set_aside, module_metrics
-from lightning_pipe._microbatches import MicrobatchPolicy
-from lightning_pipe._profile import measure_backbone
-from lightning_pipe._structure import analyze
+from lightning_pipe._lightning.metrics import metrics_set_aside, module_metrics
+from lightning_pipe._model.backbone import find_backbone
+from lightning_pipe._model.profile import measure_backbone
+from lightning_pipe._model.structure import analyze
+from lightning_pipe._step.microbatches import MicrobatchPolicy
 from lightning_pipe.schedules import schedule_spec
 
 
@@ -35,13 +35,14 @@ class Stack(nn.Module):
 
 
 def measure(net: Stack, x: torch.Tensor, repeats: int = 3) -> list[float]:
-    """What ``PipelineStrategy(balance="time")`` measures at setup (``_split.cut_module`` calls it), on one process,
-    one microbatch."""
+    """What ``PipelineStrategy(balance="time")`` measures at setup (``_model.split.split_module`` calls it), on one
+    process, one microbatch."""
     backbone = find_backbone(net, "blocks")
     structure = analyze(net, backbone, net.training_step, (x, 0), torch.device("cpu"), training=True)
     return measure_backbone(
         net, backbone, structure, net.training_step, x, device=torch.device("cpu"),
-        microbatches=MicrobatchPolicy(1, schedule_spec("GPipe"), 1, 1), step_context=nullcontext, repeats=repeats,
+        microbatches_for=MicrobatchPolicy(1, schedule_spec("GPipe"), 1, 1).for_batch, step_context=nullcontext,
+        repeats=repeats,
     )
 
 

@@ -32,9 +32,9 @@ import torch
 from helpers import merged_state, run_script
 
 import lightning_pipe
+from lightning_pipe._model.names import ModelNames
 from lightning_pipe.checkpoint import _dcp, _files, is_pipeline_checkpoint
 from lightning_pipe.checkpoint._files import INFO_KEY, OLD_SUFFIX, TMP_SUFFIX
-from lightning_pipe.checkpoint._names import ModelNames
 from lightning_pipe.consolidate import consolidated_checkpoint
 from lightning_pipe.consolidate import main as consolidate_main
 

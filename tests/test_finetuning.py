@@ -23,7 +23,7 @@ import zoo_job
 from helpers import merged_state, run_script
 from test_models import assert_same_training
 
-from lightning_pipe._loss_weights import LossWeighing
+from lightning_pipe._step.loss_weights import LossWeighing
 
 HERE = Path(__file__).resolve().parent
 ACCUM = {"gradient_clip_val": 0.5, "accumulate_grad_batches": 2}

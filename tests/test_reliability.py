@@ -19,7 +19,7 @@ import pytest
 import torch
 from helpers import run_script
 
-from lightning_pipe import _compat
+from lightning_pipe._compat import torch as torch_compat
 from lightning_pipe._fingerprint import fingerprint
 
 HERE = Path(__file__).resolve().parent
@@ -153,7 +153,7 @@ def test_mesh_sub_groups_get_the_strategy_timeout():
     """``init_device_mesh`` would give a sub-group 30 minutes; a dimension spanning every process reuses the
     default group, which has the timeout already."""
     timeout = timedelta(seconds=42)
-    overrides = _compat.mesh_group_options({"dp": 2, "pp": 2}, 4, "gloo", timeout)
+    overrides = torch_compat.mesh_group_options({"dp": 2, "pp": 2}, 4, "gloo", timeout)
     assert set(overrides) == {"dp", "pp"}
     assert all(backend == "gloo" and options._timeout == timeout for backend, options in overrides.values())
-    assert set(_compat.mesh_group_options({"dp": 1, "pp": 2}, 2, "gloo", timeout)) == {"dp"}
+    assert set(torch_compat.mesh_group_options({"dp": 1, "pp": 2}, 2, "gloo", timeout)) == {"dp"}

@@ -35,7 +35,7 @@ from helpers import run_script
 from safety_job import PLANTED_ENTRY
 
 import lightning_pipe
-from lightning_pipe import _compat
+from lightning_pipe._compat import torch as torch_compat
 from lightning_pipe.checkpoint import consolidated_checkpoint, is_pipeline_checkpoint, stored_balance
 from lightning_pipe.checkpoint._files import META_FILENAME, OLD_SUFFIX, TMP_SUFFIX
 from lightning_pipe.checkpoint._safe import (
@@ -398,8 +398,8 @@ def test_index_admits_everything_this_torch_writes(tmp_path):
     names = recorded_globals((path / ".metadata").read_bytes())
     refused = sorted(n for n in names if not admitted(n))
     assert not refused, f"torch {torch.__version__} writes globals the restricted unpickler refuses: {refused}"
-    safe = _compat.read_dcp_in_one_process(path, storage_reader=SafeFileSystemReader(path))
-    plain = _compat.read_dcp_in_one_process(path, storage_reader=dcp.FileSystemReader(path))
+    safe = torch_compat.read_dcp_in_one_process(path, storage_reader=SafeFileSystemReader(path))
+    plain = torch_compat.read_dcp_in_one_process(path, storage_reader=dcp.FileSystemReader(path))
     assert safe.keys() == plain.keys() == state.keys()
     for key, value in state["tensors"].items():
         assert torch.equal(safe["tensors"][key], value.detach()) and torch.equal(plain["tensors"][key], value.detach())
@@ -454,17 +454,17 @@ def test_one_process_reader_without_torch_private_names(job, monkeypatch):
     import torch.distributed.checkpoint.default_planner as default_planner
 
     good = job["good"]
-    want = _compat.read_dcp_in_one_process(good, storage_reader=SafeFileSystemReader(good))
-    weights = _compat.read_dcp_in_one_process(good, keys={"state_dict"}, storage_reader=SafeFileSystemReader(good))
+    want = torch_compat.read_dcp_in_one_process(good, storage_reader=SafeFileSystemReader(good))
+    weights = torch_compat.read_dcp_in_one_process(good, keys={"state_dict"}, storage_reader=SafeFileSystemReader(good))
     monkeypatch.delattr(default_planner, "_EmptyStateDictLoadPlanner")
-    got = _compat.read_dcp_in_one_process(good, storage_reader=SafeFileSystemReader(good))
+    got = torch_compat.read_dcp_in_one_process(good, storage_reader=SafeFileSystemReader(good))
     assert got.keys() == want.keys()
     for top in want:
         assert got[top].keys() == want[top].keys(), top
         for key, value in want[top].items():
             same = torch.equal(value, got[top][key]) if isinstance(value, torch.Tensor) else value == got[top][key]
             assert same, (top, key)
-    assert _compat.read_dcp_in_one_process(good, keys={"state_dict"}).keys() == weights.keys() == {"state_dict"}
+    assert torch_compat.read_dcp_in_one_process(good, keys={"state_dict"}).keys() == weights.keys() == {"state_dict"}
     with pytest.raises(UnsafeCheckpointError, match="planted_shard.ckpt/__0_0.distcp` .* references `posix.system`"):
         consolidated_checkpoint(job["bad"] / "planted_shard.ckpt")
     assert_no_payload_ran(job["bad"])

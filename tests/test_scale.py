@@ -13,7 +13,7 @@ import pytest
 import torch
 from helpers import JOB, assert_parity, merged_state, reference, run_job
 
-from lightning_pipe._stage import materialize
+from lightning_pipe._model.materialize import materialize
 
 pytestmark = pytest.mark.dist
 

@@ -12,7 +12,7 @@ import shapes_job
 import torch
 from helpers import merged_state, run_script
 
-from lightning_pipe._pipeline import ScheduleCache, _size_map
+from lightning_pipe._step.pipeline import ScheduleCache, _size_map
 
 pytestmark = pytest.mark.dist
 

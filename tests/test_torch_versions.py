@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining.schedules import get_schedule_class
 
-from lightning_pipe._pipeline import StageModule, StagePipeline
+from lightning_pipe._step.pipeline import StageModule, StagePipeline
 from lightning_pipe.partition import StageLayout
 from lightning_pipe.schedules import SCHEDULES, schedule_spec
 

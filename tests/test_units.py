@@ -16,13 +16,13 @@ from lightning.pytorch.callbacks import BaseFinetuning
 from lightning.pytorch.plugins.precision import Precision
 from torch import nn
 
-from lightning_pipe._backbone import find_backbone
-from lightning_pipe._callbacks import align_param_groups
-from lightning_pipe._cut import Cut
 from lightning_pipe._ghost import Ghost
-from lightning_pipe._precision import global_grad_norm, pipeline_precision
-from lightning_pipe._program import StepProgram
-from lightning_pipe._structure import analyze
+from lightning_pipe._lightning.callbacks import align_param_groups
+from lightning_pipe._lightning.precision import global_grad_norm, pipeline_precision
+from lightning_pipe._model.backbone import find_backbone
+from lightning_pipe._model.cut import Cut
+from lightning_pipe._model.structure import analyze
+from lightning_pipe._step.program import StepProgram
 from lightning_pipe.partition import make_layout
 
 VOCAB, DIM, SEQ, BATCH = 11, 6, 5, 6
@@ -97,7 +97,8 @@ def batch() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def cut_of(model: Net, pipeline_size: int = 2, stages_per_rank: int = 1) -> Cut:
-    """The cut ``PipelineStrategy.setup`` makes (``_split.cut_module``), 4 blocks split evenly, before ``keep_only``."""
+    """The cut ``PipelineStrategy.setup`` makes (``_model.split.split_module``), 4 blocks split evenly, before
+    ``keep_only``."""
     backbone = find_backbone(model, "blocks")
     structure = analyze(model, backbone, model.training_step, (batch(), 0), CPU, training=True)
     return Cut(model, backbone, structure, make_layout([1.0] * 4, pipeline_size, stages_per_rank))
@@ -333,7 +334,7 @@ def test_no_batch_outlives_its_step():
 def test_gradients_kept_aside_scaled_tied_and_handed_back(group):
     """The schedule's fresh gradients survive Lightning's zero_grad: kept aside, multiplied by the step's factor
     (token weights), tied copies summed over their group, then added to what earlier batches accumulated."""
-    from lightning_pipe._runtime import Gradients
+    from lightning_pipe._step.runtime import Gradients
 
     module = nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 1))
     frozen = module[1].bias
@@ -361,7 +362,7 @@ def test_gradients_kept_aside_scaled_tied_and_handed_back(group):
 def test_log_channel_values_only_round_trip():
     """Once the keys are known, a step's result (the loss in its dtype and the float64 gradient factor) and logged
     values travel as one small float64 buffer and come back with their dtypes; new keys fall back to an object."""
-    from lightning_pipe._logging import LogChannel, _signature
+    from lightning_pipe._lightning.log import LogChannel, _signature
 
     channel = LogChannel(None, src=1, size=2, device=torch.device("cpu"))
     first = ((torch.tensor(2.5, dtype=torch.bfloat16), torch.tensor(0.75, dtype=torch.float64)),

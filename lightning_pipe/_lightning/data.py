@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from lightning.pytorch.utilities.data import _update_dataloader
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
-from lightning_pipe import _compat
-from lightning_pipe._stage import global_seed
+from lightning_pipe._compat.lightning import keep_loader_order
+from lightning_pipe._lightning.seed import global_seed
 
 
 def sampler_kwargs(data_parallel_size: int, data_parallel_rank: int) -> dict[str, Any]:
@@ -24,7 +25,7 @@ def sampler_kwargs(data_parallel_size: int, data_parallel_rank: int) -> dict[str
 def takes_over_sampling(trainer: Any, data_parallel_size: int) -> bool:
     """With one pipeline (no data parallelism), stop Lightning from putting its shuffling distributed sampler on the
     loaders; whether it would have (then :func:`same_order_on_every_stage` decides instead)."""
-    return data_parallel_size == 1 and _compat.keep_loader_order(trainer)
+    return data_parallel_size == 1 and keep_loader_order(trainer)
 
 
 def same_order_on_every_stage(dataloader: object) -> object:
@@ -44,7 +45,7 @@ def same_order_on_every_stage(dataloader: object) -> object:
         and sampler.num_samples == len(sampler.data_source)  # a DistributedSampler draws the whole dataset
     ):
         same = DistributedSampler(dataloader.dataset, num_replicas=1, rank=0, shuffle=True, seed=global_seed())
-        return _compat.with_sampler(dataloader, same)
+        return _update_dataloader(dataloader, same)  # as Lightning puts its own sampler in
     return dataloader
 
 

@@ -10,9 +10,10 @@ import traceback
 from datetime import timedelta
 from typing import Any, Optional
 
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from lightning_pipe import _compat
+from lightning_pipe._compat.torch import mesh_group_options
 from lightning_pipe.partition import resolve_sizes
 
 #: How long a failing rank 0 gives the ranks it launched to fail on their own (and say why) before it ends them.
@@ -33,14 +34,14 @@ def pipeline_mesh(
     pp, dp = resolve_sizes(pipeline_parallel_size, data_parallel_size, world_size)
     return init_device_mesh(
         device_type, (dp, pp), mesh_dim_names=("dp", "pp"),
-        backend_override=_compat.mesh_group_options({"dp": dp, "pp": pp}, world_size, backend, timeout),
+        backend_override=mesh_group_options({"dp": dp, "pp": pp}, world_size, backend, timeout),
     )
 
 
 def launched_processes(launcher: Any) -> list[Any]:
     """The processes (``subprocess.Popen``) Lightning's launcher started from this one: the other ranks on rank 0 of a
     job started as one script, else none."""
-    if isinstance(launcher, _compat.subprocess_launcher_class()):
+    if isinstance(launcher, _SubprocessScriptLauncher):
         return list(launcher.procs)
     return []
 

@@ -21,7 +21,7 @@ from typing import Any, Optional
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
-from lightning_pipe import _compat
+from lightning_pipe._compat.torch import read_dcp_in_one_process
 from lightning_pipe.checkpoint._files import INFO_KEY, META_FILENAME, is_pipeline_checkpoint, read_meta, resolve
 from lightning_pipe.checkpoint._names import split_name
 from lightning_pipe.checkpoint._safe import SafeFileSystemReader, load_dcp_metadata, read_error
@@ -63,7 +63,7 @@ def consolidated_checkpoint(
     checkpoint.pop("pipeline_layout", None)
     load_dcp_metadata(path / ".metadata", weights_only_load)  # its own message before DCP wraps it
     try:
-        stored = _compat.read_dcp_in_one_process(
+        stored = read_dcp_in_one_process(
             path,
             keys={"state_dict"} if weights_only else None,
             storage_reader=SafeFileSystemReader(path, weights_only_load),

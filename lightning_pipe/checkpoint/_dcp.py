@@ -24,6 +24,7 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from lightning_pipe._rank_states import markers
 from lightning_pipe.checkpoint._files import (
     FORMAT_VERSION,
     INFO_KEY,
@@ -36,7 +37,6 @@ from lightning_pipe.checkpoint._files import (
     sibling,
     write_meta,
 )
-from lightning_pipe.checkpoint._local import markers
 from lightning_pipe.checkpoint._names import (
     CheckpointMismatchError,
     ModelNames,

@@ -21,7 +21,7 @@ of a per-replica batch ``b`` (global batch ``B = b * data_parallel_size``):
   1F1B, ``m`` for GPipe, and torch's warm-up count for Interleaved1F1B.
 """
 
-from lightning_pipe._microbatches import (
+from lightning_pipe._step.microbatches import (
     TARGET_BUBBLE,
     default_num_microbatches,
     microbatch_target,

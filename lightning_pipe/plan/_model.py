@@ -35,8 +35,8 @@ def backbone_profile(
         example_input: a tensor with a leading batch dimension, the backbone's input.
         bytes_per_parameter: overrides the parameters' own element size (e.g. 2 for ``precision="bf16-true"``).
     """
-    from lightning_pipe._backbone import find_backbone
     from lightning_pipe._ghost import Ghost
+    from lightning_pipe._model.backbone import find_backbone
 
     found = find_backbone(lightning_module, backbone)
     modules = [found.module(i) for i in range(len(found))]

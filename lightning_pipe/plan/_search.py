@@ -2,7 +2,7 @@
 by the cost model described in :mod:`lightning_pipe.plan` (and ``docs/planner.md``).
 
 The rest of the planner: ``_result`` (:class:`Plan`, byte sizes), ``_model`` (measuring a module) and ``_cli`` (the
-command line); the ``"auto"`` microbatch rule is the strategy's own (``lightning_pipe._microbatches``).
+command line); the ``"auto"`` microbatch rule is the strategy's own (``lightning_pipe._step.microbatches``).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Optional, Union
 
-from lightning_pipe._microbatches import check_positive, divisors, valid_num_microbatches
+from lightning_pipe._step.microbatches import check_positive, divisors, valid_num_microbatches
 from lightning_pipe.partition import split_sizes
 from lightning_pipe.plan._model import backbone_profile
 from lightning_pipe.plan._result import Plan, format_bytes

@@ -47,7 +47,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 import torch.distributed as dist
 
-from lightning_pipe import _compat
+from lightning_pipe._compat.torch import P2P_POST, P2P_WAIT, SCHEDULE_LOSS_METHOD, schedule_stages
 from lightning_pipe.timeline._report import _LETTER, Event
 
 _STAGE_OPS = {  # getter -> (direction, payload)
@@ -120,7 +120,7 @@ class TimelineRecorder:
         global _tracing
         if _tracing:
             raise RuntimeError("A pipeline timeline is already being traced in this process; trace one step at a time.")
-        stages = _compat.schedule_stages(target)
+        stages = schedule_stages(target)
         schedule = target if stages is not None else None
         if stages is None:
             stages = list(target) if isinstance(target, (list, tuple)) else [target]
@@ -151,10 +151,10 @@ class TimelineRecorder:
                 for getter, (direction, payload) in _STAGE_OPS.items():
                     install(stage, getter, lambda f, s=index, d=direction, p=payload: self._wrap_getter(f, s, d, p))
             if schedule is not None and getattr(schedule, "_loss_fn", None) is not None:
-                install(schedule, _compat.SCHEDULE_LOSS_METHOD, self._wrap_loss)
+                install(schedule, SCHEDULE_LOSS_METHOD, self._wrap_loss)
             import torch.distributed.pipelining.schedules as torch_schedules
-            install(torch_schedules, _compat.P2P_POST, self._wrap_post)
-            install(torch_schedules, _compat.P2P_WAIT, self._wrap_wait)
+            install(torch_schedules, P2P_POST, self._wrap_post)
+            install(torch_schedules, P2P_WAIT, self._wrap_wait)
             if distributed:
                 _barrier(self.group, self.device)
             self._origin = time.perf_counter_ns()

@@ -24,10 +24,10 @@ import torch.distributed as dist
 from lightning.pytorch import LightningModule
 from torchmetrics import Metric
 
-from lightning_pipe import _compat
-from lightning_pipe._backbone import not_computed_by_last_stage
+from lightning_pipe._compat.lightning import logging_routed_to
+from lightning_pipe._errors import not_computed_by_last_stage
 from lightning_pipe._ghost import Ghost, GhostValueError
-from lightning_pipe._metrics import module_metrics
+from lightning_pipe._lightning.metrics import module_metrics
 
 _LOG_SIGNATURE = inspect.signature(LightningModule.log)
 
@@ -70,7 +70,7 @@ class LogRecorder:
     @contextmanager
     def installed(self, module: LightningModule) -> Iterator["LogRecorder"]:
         """Route ``module.log`` (and so ``module.log_dict``) here for the duration of the block."""
-        with _compat.logging_routed_to(module, self):
+        with logging_routed_to(module, self):
             yield self
 
     def reduce(

@@ -29,11 +29,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_pipe._backbone import Backbone
-from lightning_pipe._calls import Structure
 from lightning_pipe._ghost import Ghost, ghost_of
-from lightning_pipe._summary import parameter_counts
-from lightning_pipe.checkpoint._names import ModelNames
+from lightning_pipe._lightning.summary import parameter_counts
+from lightning_pipe._model.backbone import Backbone
+from lightning_pipe._model.calls import Structure
+from lightning_pipe._model.names import ModelNames
 from lightning_pipe.partition import StageLayout
 
 log = logging.getLogger(__name__)

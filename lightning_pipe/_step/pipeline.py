@@ -1,8 +1,8 @@
 """The one module that talks to ``torch.distributed.pipelining``.
 
-:class:`StagePipeline` owns this rank's stages and runs a whole batch through the chosen schedule, either with
-backward (training) or forward-only (evaluation). Each stage is a :class:`StageModule`: the user's step run as that
-stage (:meth:`~lightning_pipe._program.StepProgram.run_stage`). The schedule gets the batch's row numbers: split into
+:class:`StagePipeline` owns this rank's stages and runs a whole batch through the chosen schedule, either with backward
+(training) or forward-only (evaluation). Each stage is a :class:`StageModule`: the user's step run as that stage
+(:meth:`~lightning_pipe._step.program.StepProgram.run_stage`). The schedule gets the batch's row numbers: split into
 microbatches, they tell every stage which rows of the batch it works on (the first stage as its input, every stage as
 the keyword argument ``lp_rows``, the last stage's loss as its target).
 
@@ -53,8 +53,9 @@ from torch.distributed.pipelining.schedules import (
 )
 from torch.utils._pytree import tree_leaves
 
-from lightning_pipe import _compat, _watchdog
-from lightning_pipe._program import StepProgram
+from lightning_pipe import _watchdog
+from lightning_pipe._compat.torch import keep_forward_actions
+from lightning_pipe._step.program import StepProgram
 from lightning_pipe.partition import StageLayout
 from lightning_pipe.schedules import ScheduleSpec
 from lightning_pipe.timeline import TimelineRecorder
@@ -381,12 +382,13 @@ class StagePipeline:
             log.debug("pipeline rank %d: falling back to %s: %s", self.pipeline_rank, fallback.__name__, err)
             schedule = _construct(fallback, stages, num_microbatches, loss_fn, multi)
         if not training and self._has_local_hand_over():
-            _compat.keep_forward_actions(schedule)  # torch's eval() cannot run these schedules (see _compat)
+            keep_forward_actions(schedule)  # torch's eval() cannot run these schedules (see _compat.torch)
         return schedule
 
     def _has_local_hand_over(self) -> bool:
         """Whether some stage feeds the next one on the same process (V placement; any multi-stage schedule on one
-        process): torch's ``eval()`` cannot run such a pipeline (see :func:`_compat.keep_forward_actions`)."""
+        process): torch's ``eval()`` cannot run such a pipeline (see
+        :func:`~lightning_pipe._compat.torch.keep_forward_actions`)."""
         return any(
             self.layout.stage_rank(s) == self.layout.stage_rank(s + 1) for s in range(self.layout.num_stages - 1)
         )

@@ -1,8 +1,8 @@
 """The runtime of one ``fit``/``validate``/``test``/``predict``: everything the strategy builds in ``setup``.
 
 :class:`PipelineRuntime` owns this rank's part of the model (the cut module and its
-:class:`~lightning_pipe.partition.StageLayout`), the :class:`~lightning_pipe._program.StepProgram` that runs the
-user's step as a stage, the :class:`~lightning_pipe._pipeline.StagePipeline` that drives torch's schedule, the
+:class:`~lightning_pipe.partition.StageLayout`), the :class:`~lightning_pipe._step.program.StepProgram` that runs the
+user's step as a stage, the :class:`~lightning_pipe._step.pipeline.StagePipeline` that drives torch's schedule, the
 microbatch policy, the channels that carry each step's logs from the last stage, and the trainable parameters with
 the gradients kept aside between ``training_step`` and ``backward``. The strategy's hooks call it.
 
@@ -10,7 +10,7 @@ A training batch, from Lightning's loop to the optimizer step:
 
 1. ``Strategy.training_step`` → :meth:`PipelineRuntime.train_batch`. Every rank runs the user's ``training_step`` on
    ghosts up to the first block call, whose hidden state gives the batch size (``StepProgram.batch_size_of``); the
-   microbatch policy (:class:`~lightning_pipe._microbatches.MicrobatchPolicy`) fixes the count.
+   microbatch policy (:class:`~lightning_pipe._step.microbatches.MicrobatchPolicy`) fixes the count.
 2. The schedule runs forward and backward over the microbatches (``StagePipeline.train_step``). Each stage runs the
    user's step on its microbatch's rows, running only its own blocks; on the last stage the loss function runs the
    whole step with the last block answered by the stage output (``StepProgram.run_answering``) and returns
@@ -18,17 +18,17 @@ A training batch, from Lightning's loop to the optimizer step:
 3. The gradients the schedule computed are set aside and the earlier ``.grad`` put back (:class:`Gradients`), because
    Lightning calls ``zero_grad`` next; they are averaged over data-parallel replicas and summed over the ranks that
    hold a tied parameter. The last stage's logs are reduced over the microbatches, sent to every rank of the pipeline
-   (:class:`~lightning_pipe._logging.LogChannel`) and logged there; the full-batch loss is returned on every rank.
+   (:class:`~lightning_pipe._lightning.log.LogChannel`) and logged there; the full-batch loss is returned on every rank.
 4. Lightning calls ``zero_grad``, then ``Strategy.backward`` → :meth:`Gradients.hand_back` adds the kept gradients,
    between the ``on_before_backward`` and ``on_after_backward`` hooks.
-5. Lightning's precision plugin clips (by the norm over the pipeline, :mod:`lightning_pipe._precision`) and steps.
+5. Lightning's precision plugin clips (by the norm over the pipeline, :mod:`lightning_pipe._lightning.precision`) and
+   steps.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from typing import Any, Callable, Optional
 
 import torch
@@ -39,100 +39,25 @@ from torch import Tensor, nn
 
 from lightning_pipe import _watchdog
 from lightning_pipe import timeline as _timeline
-from lightning_pipe._backbone import BackboneCallError, not_computed_by_last_stage
-from lightning_pipe._callbacks import align_param_groups
-from lightning_pipe._calls import loss_of
-from lightning_pipe._cut import Cut
+from lightning_pipe._errors import BackboneCallError, not_computed_by_last_stage
 from lightning_pipe._fingerprint import differs, fingerprint
 from lightning_pipe._ghost import Ghost, GhostValueError, contains_ghost
-from lightning_pipe._logging import LogChannel, LogRecorder, replay
-from lightning_pipe._loss_weights import LossWeighing, warn_once
-from lightning_pipe._metrics import metrics_set_aside, module_metrics, per_batch_metrics
-from lightning_pipe._microbatches import MicrobatchPolicy
-from lightning_pipe._pipeline import StageModule, StagePipeline
-from lightning_pipe._program import StepProgram
-from lightning_pipe._structure import everything_ghosted
-from lightning_pipe._untouched import untouched
+from lightning_pipe._lightning.callbacks import align_param_groups
+from lightning_pipe._lightning.log import LogChannel, LogRecorder, replay
+from lightning_pipe._lightning.metrics import metrics_set_aside, module_metrics, per_batch_metrics
+from lightning_pipe._model.calls import loss_of
+from lightning_pipe._model.cut import Cut
+from lightning_pipe._model.structure import everything_ghosted
+from lightning_pipe._model.untouched import untouched
+from lightning_pipe._step.gradients import Gradients
+from lightning_pipe._step.loss_weights import LossWeighing, warn_once
+from lightning_pipe._step.microbatches import MicrobatchPolicy
+from lightning_pipe._step.pipeline import StageModule, StagePipeline
+from lightning_pipe._step.program import StepProgram
 from lightning_pipe.partition import StageLayout
 from lightning_pipe.schedules import ScheduleSpec
 
 log = logging.getLogger(__name__)
-
-
-class Gradients:
-    """The gradients a training step computed, kept aside across Lightning's ``zero_grad``.
-
-    Lightning runs ``training_step``, then ``zero_grad``, then ``backward``. The schedule runs backward inside
-    ``training_step``, so the gradients it writes would be wiped: they are taken out of ``.grad`` right after the
-    schedule (the earlier ``.grad``, accumulated over earlier batches, is put back) and added in ``backward``.
-
-    Args:
-        module: this rank's part of the model: its parameters that require gradients now are the trainable ones (a
-            callback such as ``BackboneFinetuning`` may change which between steps).
-        replica_group: the data-parallel replicas of this rank (``None`` with one): gradients are averaged over it.
-        tie_groups: ``(group, parameters)`` for the parameters this rank shares with other ranks of its pipeline
-            (tied or reused): their gradients are summed over the group.
-    """
-
-    def __init__(
-        self,
-        module: nn.Module,
-        replica_group: Optional[dist.ProcessGroup] = None,
-        tie_groups: Sequence[tuple[dist.ProcessGroup, list[nn.Parameter]]] = (),
-    ) -> None:
-        self.module = module
-        self.replica_group = replica_group
-        self.tie_groups = list(tie_groups)
-        self._pending: Optional[list[tuple[nn.Parameter, Tensor]]] = None
-
-    def trainable(self) -> list[nn.Parameter]:
-        return [p for p in self.module.parameters() if p.requires_grad]
-
-    @contextmanager
-    def computed_aside(self) -> Iterator[None]:
-        """Let the block write fresh gradients, then keep them aside and restore the earlier ones; the kept ones are
-        synchronised by :meth:`synchronise`."""
-        params = self.trainable()
-        previous = [p.grad for p in params]
-        for p in params:
-            p.grad = None
-        try:
-            yield
-        finally:
-            self._pending = [(p, p.grad) for p in params if p.grad is not None]
-            for p, grad in zip(params, previous):
-                p.grad = grad
-
-    def synchronise(self, scale: float = 1.0) -> None:
-        """Multiply the kept gradients by ``scale`` (the step's loss weighting, [Note: token-weighted losses]: one
-        replica's own, so before averaging), average them over the replicas and sum tied copies over their ranks."""
-        kept = dict(self._pending or ())
-        if scale != 1.0 and kept:
-            torch._foreach_mul_(list(kept.values()), scale)
-        if self.replica_group is not None and kept:
-            _all_reduce(list(kept.values()), self.replica_group, average=True)
-        for group, shared in self.tie_groups:
-            # Every copy takes part (the same sizes on every rank); a frozen copy gets its gradient dropped after.
-            grads = [kept.get(p) if p in kept else torch.zeros_like(p) for p in shared]
-            _all_reduce(grads, group, average=False)
-            for p, grad in zip(shared, grads):
-                if p.requires_grad:
-                    kept[p] = grad
-                else:
-                    kept.pop(p, None)
-        self._pending = list(kept.items())
-
-    def hand_back(self) -> None:
-        """Add the kept gradients to ``.grad`` (called by ``Strategy.backward``, after ``zero_grad``)."""
-        pending, self._pending = self._pending, None
-        for param, grad in pending or ():
-            if param.grad is None:
-                param.grad = grad
-            else:
-                param.grad.add_(grad)
-
-    def discard(self) -> None:
-        self._pending = None
 
 
 class PipelineRuntime:
@@ -311,7 +236,7 @@ class PipelineRuntime:
         """At the first batch of each epoch (callbacks freeze, unfreeze and add parameter groups at epoch starts): if
         no stage has a parameter that requires a gradient, fail as one process fails in ``loss.backward()`` (instead
         of running the schedule and stepping nothing), and align the optimizers' parameter groups over the pipeline
-        (:func:`~lightning_pipe._callbacks.align_param_groups`). Small collectives over the pipeline, once per
+        (:func:`~lightning_pipe._lightning.callbacks.align_param_groups`). Small collectives over the pipeline, once per
         epoch: every rank raises."""
         trainer = self.module.trainer
         epoch = trainer.current_epoch
@@ -405,23 +330,6 @@ class PipelineRuntime:
             f" Microbatch shapes met so far: {shapes.shapes} ({shapes.built} schedules built in"
             f" {shapes.build_seconds * 1e3:.0f} ms, {shapes.evicted} evicted, {shapes.kept} kept)"
         )
-
-
-def _all_reduce(tensors: list[Tensor], group: dist.ProcessGroup, average: bool) -> None:
-    """Sum (or average) ``tensors`` in place over ``group``, one flat buffer per dtype and device."""
-    by_kind: dict[tuple, list[Tensor]] = {}
-    for t in tensors:
-        by_kind.setdefault((t.dtype, t.device), []).append(t)
-    size = dist.get_world_size(group)
-    for group_tensors in by_kind.values():
-        flat = torch.cat([t.reshape(-1) for t in group_tensors])
-        dist.all_reduce(flat, group=group)
-        if average:
-            flat /= size
-        offset = 0
-        for t in group_tensors:
-            t.copy_(flat[offset : offset + t.numel()].view_as(t))
-            offset += t.numel()
 
 
 def _ghost_result(step: Callable[..., Any]) -> Exception:

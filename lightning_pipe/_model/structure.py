@@ -23,8 +23,11 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 
 from lightning_pipe import _ghost
-from lightning_pipe._backbone import Backbone, BackboneCallError
-from lightning_pipe._calls import (
+from lightning_pipe._errors import BackboneCallError
+from lightning_pipe._ghost import Ghost, GhostValueError, contains_ghost, ghost_of
+from lightning_pipe._lightning.metrics import metrics_set_aside, module_metrics
+from lightning_pipe._model.backbone import Backbone
+from lightning_pipe._model.calls import (
     BlockCalls,
     BlockRunners,
     HiddenAt,
@@ -35,8 +38,6 @@ from lightning_pipe._calls import (
     never_called,
     replace_hidden,
 )
-from lightning_pipe._ghost import Ghost, GhostValueError, contains_ghost, ghost_of
-from lightning_pipe._metrics import metrics_set_aside, module_metrics
 
 log = logging.getLogger(__name__)
 

@@ -38,9 +38,9 @@ from lightning.pytorch.callbacks import (
 from torch import Tensor, nn
 from torch.nn.utils import prune as torch_prune
 
-from lightning_pipe import _compat
+from lightning_pipe._compat.lightning import averaged_model_like
 from lightning_pipe._fingerprint import differs
-from lightning_pipe.checkpoint._local import marker
+from lightning_pipe._rank_states import marker
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ def after_cut(
             old = callback._average_model
             if old is not None:
                 device = next(iter(old.parameters()), torch.empty(0)).device
-                callback._average_model = _compat.averaged_model_like(callback, module, device)
+                callback._average_model = averaged_model_like(callback, module, device)
         elif isinstance(callback, ModelPruning):
             _prune_own_share(callback, module, tied, group, device)
 
@@ -221,7 +221,7 @@ def align_param_groups(
 # ------------------------------------------------------------------------------------------------ checkpoints
 def local_states(checkpoint: dict[str, Any]) -> dict[str, dict[str, Tensor]]:
     """Take the per-rank state dicts out of Lightning's ``checkpoint`` (in place, leaving a marker, see
-    :mod:`lightning_pipe.checkpoint._local`): ``{stored key: state dict with this rank's names}``."""
+    :mod:`lightning_pipe._rank_states`): ``{stored key: state dict with this rank's names}``."""
     out: dict[str, dict[str, Tensor]] = {}
     if _is_state(checkpoint.get(CURRENT_MODEL_STATE)):  # WeightAveraging.on_save_checkpoint
         out[CURRENT_MODEL_STATE] = checkpoint[CURRENT_MODEL_STATE]

@@ -1,10 +1,10 @@
 r"""How a step calls the backbone's blocks, and the machinery that stands in for them while a step runs.
 
-What the setup learns about a step's block calls is a :class:`Structure` (:mod:`lightning_pipe._structure` learns
+What the setup learns about a step's block calls is a :class:`Structure` (:mod:`lightning_pipe._model.structure` learns
 it). While a step runs under the pipeline, the backbone's containers hold :class:`Runner`\ s instead of the blocks
 (:class:`BlockRunners`): each block call goes to the run in progress, a :class:`BlockCalls` whose mode decides what
 the call does. The setup's analysis and the ``balance="time"`` profile are modes of their own; the per-batch modes
-(a stage, the last stage's answer) are :class:`~lightning_pipe._program.StepProgram`'s. The capture mode,
+(a stage, the last stage's answer) are :class:`~lightning_pipe._step.program.StepProgram`'s. The capture mode,
 :meth:`BlockRunners.batch_size_of`, serves both: the first block's hidden state gives the batch size.
 
 A block's hidden state is its first positional argument (or the keyword argument that carries the previous block's
@@ -20,9 +20,10 @@ from typing import Any, Callable, Optional
 
 from torch import Tensor, nn
 
-from lightning_pipe._backbone import Backbone, BackboneCallError, not_computed_by_last_stage
+from lightning_pipe._errors import BackboneCallError, not_computed_by_last_stage
 from lightning_pipe._ghost import Ghost, ghost_of
-from lightning_pipe._logging import LogRecorder
+from lightning_pipe._lightning.log import LogRecorder
+from lightning_pipe._model.backbone import Backbone
 
 #: ``("arg", position)`` or ``("kwarg", name)``: where a block call carries the hidden state.
 HiddenAt = tuple[str, Any]

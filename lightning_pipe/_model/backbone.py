@@ -4,7 +4,7 @@ The backbone is one container of blocks, or several consecutive ones: an ``nn.Se
 as a whole (``self.blocks(x)``), or an ``nn.ModuleList``/``nn.Sequential``/``nn.ModuleDict`` it loops over
 (``for block in self.layers: x = block(x, mask)``), or a list of them run one after the other (torchvision's
 ``layer1`` ... ``layer4``). Its blocks, in order, are what the stages split; everything else in the module runs
-before the backbone (first stage) or after it (last stage). See :mod:`lightning_pipe._structure` for how the step
+before the backbone (first stage) or after it (last stage). See :mod:`lightning_pipe._model.structure` for how the step
 uses them.
 """
 
@@ -22,30 +22,6 @@ log = logging.getLogger(__name__)
 
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 _CONTAINER_NAMES = "an `nn.Sequential`, `nn.ModuleList` or `nn.ModuleDict`"
-
-
-class BackboneCallError(RuntimeError):
-    """The user's step uses the pipelined backbone in a way the pipeline cannot run."""
-
-    __module__ = "lightning_pipe"  # its public home
-
-
-def not_computed_by_last_stage(what: str, fix: str, value: Any = None) -> str:
-    """The message for a value used after the backbone that only the first stage (or another block) computes."""
-    shown = f" ({value!r})" if value is not None else ""
-    return (
-        f"{what} the last pipeline stage does not compute{shown}: it comes from before the backbone (computed from the"
-        f" first stage's parameters) or from a block other than the last. {fix}"
-    )
-
-
-def argument_not_on_stage(block: str, stage: int, what: str) -> str:
-    """The message for a block argument that another stage than the block's computes from its parameters."""
-    return (
-        f"Block `{block}` runs on stage {stage}, but {what}. Only the hidden state travels between stages; a block's"
-        " other arguments must be computable from the batch and buffers on every stage (masks, position ids, rotary"
-        " tables). Compute them from the batch, or move that computation into the blocks."
-    )
 
 
 @dataclass(frozen=True)

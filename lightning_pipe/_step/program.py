@@ -12,12 +12,12 @@ the backbone's blocks swapped for runners (:class:`Runner`) that decide what eac
 - **answer** (:meth:`StepProgram.run_answering`, the last stage's loss in training, and evaluation): the code before
   the backbone runs on ghosts, every block is skipped, the last block returns the stage output, and the code after
   the backbone (final norm, head, loss, ``self.log``, metrics) runs for real.
-- **capture** (:meth:`~lightning_pipe._calls.BlockRunners.batch_size_of`): the code before the backbone runs on
+- **capture** (:meth:`~lightning_pipe._model.calls.BlockRunners.batch_size_of`): the code before the backbone runs on
   ghosts until the first block call, whose hidden state gives the batch size.
 
-The runners and the machinery that swaps them in are :mod:`lightning_pipe._calls`; what the setup learned about each
-block call (:class:`~lightning_pipe._calls.Structure`) tells the runners where the hidden state is and what shape
-of output a skipped block returns.
+The runners and the machinery that swaps them in are :mod:`lightning_pipe._model.calls`; what the setup learned about
+each block call (:class:`~lightning_pipe._model.calls.Structure`) tells the runners where the hidden state is and what
+shape of output a skipped block returns.
 """
 
 from __future__ import annotations
@@ -30,8 +30,10 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from lightning_pipe._backbone import Backbone, BackboneCallError, argument_not_on_stage
-from lightning_pipe._calls import (
+from lightning_pipe._errors import BackboneCallError, argument_not_on_stage
+from lightning_pipe._ghost import Ghost, contains_ghost, ghost_of
+from lightning_pipe._model.backbone import Backbone
+from lightning_pipe._model.calls import (
     BlockCalls,
     BlockRunners,
     HiddenAt,
@@ -42,7 +44,6 @@ from lightning_pipe._calls import (
     replace_hidden,
     slice_batch,
 )
-from lightning_pipe._ghost import Ghost, contains_ghost, ghost_of
 
 
 class StepProgram(BlockRunners):

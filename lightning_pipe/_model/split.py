@@ -1,10 +1,10 @@
 """Cutting the LightningModule at setup: checks that it can be pipelined, then the cut itself.
 
-:func:`refuse_unsupported` names what cannot run in a pipeline and how to change it. :func:`cut_module` finds the
-backbone (:mod:`lightning_pipe._backbone`), learns from one ghost run of the step how the step uses the model
-(:mod:`lightning_pipe._structure`), splits the blocks into stages (:mod:`lightning_pipe.partition`, with costs from
-parameter counts or, for ``balance="time"``, measured times), and leaves this rank with only its share of the
-tensors (:mod:`lightning_pipe._cut`). A module cut before (``fit``, then ``validate``) is reused.
+:func:`refuse_unsupported` names what cannot run in a pipeline and how to change it. :func:`split_module` finds the
+backbone (:mod:`lightning_pipe._model.backbone`), learns from one ghost run of the step how the step uses the model
+(:mod:`lightning_pipe._model.structure`), splits the blocks into stages (:mod:`lightning_pipe.partition`, with costs
+from parameter counts or, for ``balance="time"``, measured times), and leaves this rank with only its share of the
+tensors (:mod:`lightning_pipe._model.cut`). A module cut before (``fit``, then ``validate``) is reused.
 """
 
 from __future__ import annotations
@@ -18,10 +18,11 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torchmetrics import Metric
 
-from lightning_pipe._backbone import BackboneCallError, argument_not_on_stage, find_backbone
-from lightning_pipe._calls import Structure
-from lightning_pipe._cut import Cut
-from lightning_pipe._structure import analyze
+from lightning_pipe._errors import BackboneCallError, argument_not_on_stage
+from lightning_pipe._model.backbone import find_backbone
+from lightning_pipe._model.calls import Structure
+from lightning_pipe._model.cut import Cut
+from lightning_pipe._model.structure import analyze
 from lightning_pipe.partition import make_layout
 from lightning_pipe.schedules import ScheduleSpec
 
@@ -58,7 +59,7 @@ def refuse_unsupported(
         )
 
 
-def cut_module(
+def split_module(
     module: nn.Module,
     backbone_spec: Union[str, list[str]],
     *,
@@ -72,7 +73,7 @@ def cut_module(
     sample: Callable[[], tuple[Callable[..., Any], Any]],
     measure: Callable[[Any, Structure, Callable[..., Any], Any], list[float]],
 ) -> Cut:
-    """Cut ``module`` for this rank; returns the :class:`~lightning_pipe._cut.Cut`.
+    """Cut ``module`` for this rank; returns the :class:`~lightning_pipe._model.cut.Cut`.
 
     Args:
         sample: returns the running step and a batch of its data on the device (the step is analysed on it).

@@ -22,11 +22,18 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
-from lightning_pipe._backbone import Backbone
-from lightning_pipe._calls import BlockCalls, BlockRunners, HiddenAt, Structure, loss_of, replace_hidden, slice_batch
-from lightning_pipe._logging import LogRecorder
-from lightning_pipe._microbatches import MicrobatchPolicy
-from lightning_pipe._untouched import untouched
+from lightning_pipe._lightning.log import LogRecorder
+from lightning_pipe._model.backbone import Backbone
+from lightning_pipe._model.calls import (
+    BlockCalls,
+    BlockRunners,
+    HiddenAt,
+    Structure,
+    loss_of,
+    replace_hidden,
+    slice_batch,
+)
+from lightning_pipe._model.untouched import untouched
 
 
 def first_batch(module: Any, batch_to_device: Callable[[Any], Any]) -> tuple[Callable[..., Any], Any]:
@@ -56,7 +63,7 @@ def measure_backbone(
     batch: Any,
     *,
     device: torch.device,
-    microbatches: MicrobatchPolicy,
+    microbatches_for: Callable[[int], int],
     step_context: Callable[[], AbstractContextManager],
     repeats: int = 3,
 ) -> list[float]:
@@ -68,7 +75,7 @@ def measure_backbone(
     if not dist.is_initialized() or dist.get_rank() == 0:
         program = BlockRunners(module, backbone, structure, device)
         batch_size = program.batch_size_of(step, batch, 0)
-        rows = batch_size // microbatches.for_batch(batch_size)
+        rows = batch_size // microbatches_for(batch_size)
         sub_batch = slice_batch(batch, batch_size, 0, rows)
         samples: list[list[float]] = []
         with untouched(module, device, drop_grads=True), step_context():

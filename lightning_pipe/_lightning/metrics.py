@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torchmetrics import Metric
 
-from lightning_pipe import _compat
+from lightning_pipe._compat.torchmetrics import compute_without_sync
 
 
 def module_metrics(module: torch.nn.Module) -> list[tuple[str, Metric]]:
@@ -48,7 +48,7 @@ def per_batch_metrics(metrics: list[tuple[str, Metric]], num_microbatches: int) 
             continue
         state, count, _, _, _ = kept
         if forward_cache is not None:
-            forward_cache = _compat.compute_without_sync(metric)
+            forward_cache = compute_without_sync(metric)
         metric._update_count = count + max(1, calls // num_microbatches)
         metric._forward_cache, metric._computed = forward_cache, None
         with torch.no_grad():

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from lightning_pipe._metrics import metrics_set_aside, module_metrics
+from lightning_pipe._lightning.metrics import metrics_set_aside, module_metrics
 
 
 @contextmanager

@@ -5,7 +5,6 @@ under activation checkpointing.
 from __future__ import annotations
 
 import itertools
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Callable, Union
@@ -14,18 +13,13 @@ import torch
 from torch import nn
 from torchmetrics import Metric
 
-from lightning_pipe._backbone import Backbone, find_backbone
+from lightning_pipe._lightning.seed import global_seed
+from lightning_pipe._model.backbone import Backbone, find_backbone
 
 Checkpointing = Union[bool, list[str], Callable[[nn.Module], bool]]
 
 
 # ---------------------------------------------------------------------------------------------- materialising
-def global_seed() -> int:
-    """``seed_everything``'s seed (``PL_GLOBAL_SEED``), else 0: the one place it is read. It seeds meta-device
-    initialisation (:func:`materialize_local`) and the sampler a single pipeline gives a shuffling loader."""
-    return int(os.environ.get("PL_GLOBAL_SEED", 0))
-
-
 def materialize(module: nn.Module, device: torch.device, backbone: Union[str, list[str]] = "auto") -> None:
     """Materialise a whole (unsplit) module built on the meta device exactly as the pipeline materialises each
     rank's share of it (:func:`materialize_local`): the reference for a pipelined run started from the meta device."""

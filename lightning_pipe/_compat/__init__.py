@@ -1,0 +1,184 @@
+"""Every use of a private name of Lightning, torch or torchmetrics, and every patch, in one package.
+
+This page is the list; ``torch.py``, ``lightning.py`` and ``torchmetrics.py`` hold the workarounds that do more than
+read a name, and the one-line uses are at their callers.
+
+Each entry says why no public route exists and which versions it was checked against. :data:`PRIVATE_NAMES` lists
+every private name the package uses, these and the few that other modules reach for directly (``nn.Module``'s
+tables, pytree, the ghost tensor's subclass hooks, pruning's amount checks, the strategy's protected members), and
+``tests/test_compat.py`` checks that each exists. When a supported release moves one of these names, this package is
+the one to change (and the torch range in ``pyproject.toml``). ``_compat.torch`` imports torch only:
+``lightning_pipe.timeline`` imports it without Lightning.
+
+Lightning (checked against 2.6.6):
+
+- ``lightning.fabric.utilities.distributed``: ``_init_dist_connection``, ``_destroy_dist_connection``,
+  ``_get_default_process_group_backend_for_device``, ``_sync_ddp_if_available``, ``_distributed_is_initialized``;
+  ``lightning.fabric.utilities.optimizer``: ``_optimizers_to_device``. Every Lightning strategy (DDP, FSDP,
+  ModelParallel) starts its process group and moves its optimizers with these helpers; there is no public
+  equivalent.
+- ``lightning.pytorch.strategies.launchers.subprocess_script._SubprocessScriptLauncher``: the launcher DDP uses to
+  start the other ranks (a strategy without a launcher runs rank 0 only); ``procs`` and ``kill`` end them after a
+  failure.
+- ``_EvaluationLoop``/``_FitLoop``/``_PredictionLoop._data_source``: the only handle on the user's loader of the
+  running stage (loader, datamodule or module hook) before the loop iterates it; ``balance="time"`` profiles its
+  first batch.
+- ``LightningModule._device_mesh``: what ``LightningModule.device_mesh`` returns; Lightning's ModelParallelStrategy
+  sets it the same way (:func:`set_device_mesh`).
+- ``Strategy._launcher``, ``_precision_plugin``, ``_layer_sync`` and the ``_configure_launcher`` hook: the protected
+  members every Lightning strategy subclass sets or reads (the launcher it starts, the precision plugin behind the
+  ``precision_plugin`` property, the plugin ``sync_batchnorm=True`` installs).
+- ``ModelSummary._summary`` (the callback's way to its summary; Lightning special-cases only DeepSpeed there): the
+  strategy gives ``Trainer.callbacks`` a copy of each summary callback whose ``_summary`` counts the whole model
+  (``_summary.summarize_whole_model``).
+- ``ThroughputMonitor._throughputs`` (its ``Throughput`` per stage, built in the callback's ``setup`` with
+  ``world_size=trainer.world_size``): every rank of a pipeline processes the same batch, so the global figures must
+  count data-parallel replicas, not processes (:func:`count_replicas_in_throughput`).
+- The state built-in callbacks take from the whole module in their ``setup`` hook, before the cut, retaken from this
+  rank's share after it (:mod:`lightning_pipe._lightning.callbacks`; Lightning has no hook between a strategy's cut and
+  the callbacks): ``StochasticWeightAveraging``/``WeightAveraging._average_model`` (and
+  ``WeightAveraging._use_buffers``, ``_kwargs``, the arguments of its ``AveragedModel``);
+  ``ModelPruning._parameters_to_prune``, ``_original_layers``, ``_use_global_unstructured`` and its
+  ``_apply_global_pruning`` method (replaced per instance by the pipeline-wide L1 threshold). Restoring state that one
+  process restores before ``on_fit_start`` (the pipeline restores after it, ``restore_checkpoint_after_setup``):
+  ``StochasticWeightAveraging._clear_schedulers`` (what its ``on_fit_start`` does with a restored scheduler state) and
+  ``BaseFinetuning._restarting`` (its ``on_fit_start`` consumed it); ``BaseFinetuning._internal_optimizer_metadata``:
+  the empty groups the pipeline adds are recorded there too, so that the stored groups keep their positions on every
+  rank. - ``Trainer._accelerator_connector.use_distributed_sampler`` and
+  ``lightning.pytorch.utilities.data._update_dataloader``: with one pipeline (no data parallelism) Lightning would
+  still put a shuffling ``DistributedSampler`` on the training loader; the strategy turns that off and gives a
+  shuffled loader a sampler seeded the same on every stage (:func:`keep_loader_order`, :func:`with_sampler`).
+  Lightning asks the strategy only for the sampler's replicas and rank, not whether to shuffle.
+- ``LightningModule.log`` is replaced by an instance attribute while a pipelined step runs on the last stage
+  (:func:`logging_routed_to`): Lightning has no hook to intercept ``self.log`` calls, and the step's logs must be
+  reduced over microbatches and replayed on every rank.
+
+torch (checked against 2.13.0, 2.14.1 and 2.15.0; ``pyproject.toml`` pins ``<2.16``):
+
+- ``torch.distributed.ProcessGroupGloo._Options`` and the backend options' ``_timeout``: the only way to give the
+  device mesh's sub-groups the strategy's ``timeout`` (``init_device_mesh`` otherwise creates them with 30 minutes;
+  :func:`mesh_group_options`).
+- ``torch.distributed.checkpoint.default_planner._EmptyStateDictLoadPlanner`` and
+  ``torch.distributed.checkpoint.state_dict_loader._load_state_dict``: read a DCP checkpoint into an empty state dict
+  in one process (consolidation); without them, the public ``dcp.load`` reads into a template built from the index.
+- Names that DCP's ``.metadata`` pickle holds, admitted by name by the restricted unpickler of
+  ``checkpoint/_safe.py`` (``DCP_INDEX_GLOBALS``; the file references them, the package calls none of them):
+  ``torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING``, ``torch.distributed.checkpoint.filesystem.
+  _StorageInfo``, ``torch.serialization._get_layout``. torch 2.13 to 2.15 write the same set of globals.
+- A multi-stage schedule's ``pipeline_order`` (its compute actions per rank, ``_Action`` with ``computation_type``
+  and ``sub_actions``), ``stage_index_to_group_rank``, ``_num_stages``, ``pipeline_order_with_comms`` and the
+  lowerings ``schedules._add_send_recv`` and, from 2.15 (looked up by name), ``_add_wait_send``: where a stage feeds
+  the next one on the same process (the V-shaped ``ZBVZeroBubble`` and ``DualPipeV``; any multi-stage schedule on
+  one process), evaluation runs the forward actions only, with torch's own communication actions added
+  (:func:`keep_forward_actions`). torch's ``eval()`` on these pipelines fails on the stage-local gradient hand-over
+  between two stages ("can't steal_bwd_input if this stage doesn't have backward"), and its own lowering refuses a
+  schedule without backward actions. 2.15 fails a step that leaves a send without a ``WAIT_SEND_F``/``_B`` action.
+- ``torch.distributed.pipelining.schedules._batch_p2p`` and ``_wait_batch_p2p`` (module globals every schedule
+  posts and waits for its transfers through), ``_PipelineSchedule._maybe_compute_loss``, ``_loss_fn``, and a
+  schedule's ``_stage``/``_stages``: wrapped for the duration of one traced step by ``timeline=`` (no hook exists
+  to observe a schedule's transfers and losses). With per-direction (2.14, ``torch.distributed.config.
+  pipeline_per_direction_p2p``) or per-edge (2.15, ``pipeline_per_edge_p2p``) communicators, both off by default
+  and on with TorchComms, ``_batch_p2p`` calls itself through the module global once per process group; the
+  recorder counts the outermost call.
+
+torchmetrics (checked against 1.9; the dependency is pinned below 2):
+
+- ``Metric._defaults``, ``_update_count``, ``_forward_cache``, ``_computed``, ``_cache``, ``_is_synced``,
+  ``_to_sync``, ``_should_unsync``, ``_reduce_states``: the state handling ``Metric.forward`` does in
+  ``_forward_reduce_state_update``, which a training step split over microbatches has to do itself so that a metric
+  called once per microbatch logs the whole batch's value.
+"""
+
+from __future__ import annotations
+
+#: Every private name of Lightning, torch and torchmetrics the package reaches for, as ``(module, attribute path)``,
+#: whether through this module or directly (the modules that reach directly are named). An attribute an instance
+#: sets in its class's code counts as the class's. ``tests/test_compat.py`` looks up each one on the installed
+#: versions: the first test to run when a new Lightning or torch comes out. Names looked up only where they exist
+#: (``schedules._add_wait_send``, from torch 2.15) are not listed.
+PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
+    # Lightning: processes, the launcher, the strategy's protected members
+    ("lightning.fabric.utilities.distributed", "_init_dist_connection"),
+    ("lightning.fabric.utilities.distributed", "_destroy_dist_connection"),
+    ("lightning.fabric.utilities.distributed", "_get_default_process_group_backend_for_device"),
+    ("lightning.fabric.utilities.distributed", "_sync_ddp_if_available"),
+    ("lightning.fabric.utilities.distributed", "_distributed_is_initialized"),
+    ("lightning.fabric.utilities.optimizer", "_optimizers_to_device"),
+    ("lightning.pytorch.strategies.launchers.subprocess_script", "_SubprocessScriptLauncher"),
+    ("lightning.pytorch.strategies.launchers.subprocess_script", "_SubprocessScriptLauncher.procs"),
+    ("lightning.pytorch.strategies.launchers.subprocess_script", "_SubprocessScriptLauncher.kill"),
+    ("lightning.pytorch.strategies.strategy", "Strategy._launcher"),  # strategy.py
+    ("lightning.pytorch.strategies.strategy", "Strategy._precision_plugin"),  # strategy.py
+    ("lightning.pytorch.strategies.parallel", "ParallelStrategy._layer_sync"),  # strategy.py
+    ("lightning.pytorch.strategies.strategy", "Strategy._configure_launcher"),  # strategy.py
+    ("lightning.pytorch.core.module", "LightningModule._device_mesh"),
+    # Lightning: the running loop's loader, the samplers
+    ("lightning.pytorch.loops.fit_loop", "_FitLoop._data_source"),
+    ("lightning.pytorch.loops.evaluation_loop", "_EvaluationLoop._data_source"),
+    ("lightning.pytorch.loops.prediction_loop", "_PredictionLoop._data_source"),
+    ("lightning.pytorch.trainer.connectors.data_connector", "_DataLoaderSource.dataloader"),
+    ("lightning.pytorch.trainer.trainer", "Trainer._accelerator_connector"),
+    ("lightning.pytorch.trainer.connectors.accelerator_connector", "_AcceleratorConnector.use_distributed_sampler"),
+    ("lightning.pytorch.utilities.data", "_update_dataloader"),
+    # Lightning: built-in callbacks
+    ("lightning.pytorch.callbacks", "ModelSummary._summary"),  # _summary.py
+    ("lightning.pytorch.callbacks", "ThroughputMonitor._throughputs"),
+    ("lightning.pytorch.callbacks", "StochasticWeightAveraging._average_model"),
+    ("lightning.pytorch.callbacks", "StochasticWeightAveraging._clear_schedulers"),
+    ("lightning.pytorch.callbacks", "WeightAveraging._average_model"),
+    ("lightning.pytorch.callbacks", "WeightAveraging._use_buffers"),
+    ("lightning.pytorch.callbacks", "WeightAveraging._kwargs"),
+    ("lightning.pytorch.callbacks", "ModelPruning._parameters_to_prune"),
+    ("lightning.pytorch.callbacks", "ModelPruning._original_layers"),
+    ("lightning.pytorch.callbacks", "ModelPruning._use_global_unstructured"),
+    ("lightning.pytorch.callbacks", "ModelPruning._apply_global_pruning"),
+    ("lightning.pytorch.callbacks", "BaseFinetuning._restarting"),
+    ("lightning.pytorch.callbacks", "BaseFinetuning._internal_optimizer_metadata"),
+    # torch: process groups and distributed checkpoints
+    ("torch.distributed", "ProcessGroupGloo._Options"),
+    ("torch.distributed", "ProcessGroupGloo._Options._timeout"),
+    ("torch.distributed.checkpoint.default_planner", "_EmptyStateDictLoadPlanner"),
+    ("torch.distributed.checkpoint.state_dict_loader", "_load_state_dict"),
+    ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),  # checkpoint/_safe.py
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),  # checkpoint/_safe.py
+    ("torch.serialization", "_get_layout"),  # checkpoint/_safe.py
+    # torch: schedules (keep_forward_actions; the timeline's recorder)
+    ("torch.distributed.pipelining.schedules", "_Action.computation_type"),
+    ("torch.distributed.pipelining.schedules", "_Action.sub_actions"),
+    ("torch.distributed.pipelining.schedules", "PipelineScheduleMulti.pipeline_order"),
+    ("torch.distributed.pipelining.schedules", "PipelineScheduleMulti.stage_index_to_group_rank"),
+    ("torch.distributed.pipelining.schedules", "PipelineScheduleMulti._num_stages"),
+    ("torch.distributed.pipelining.schedules", "PipelineScheduleMulti._stages"),
+    ("torch.distributed.pipelining.schedules", "PipelineScheduleSingle._stage"),
+    ("torch.distributed.pipelining.schedules", "_PipelineScheduleRuntime.pipeline_order_with_comms"),
+    ("torch.distributed.pipelining.schedules", "_add_send_recv"),
+    ("torch.distributed.pipelining.schedules", "_batch_p2p"),
+    ("torch.distributed.pipelining.schedules", "_wait_batch_p2p"),
+    ("torch.distributed.pipelining.schedules", "_PipelineSchedule._maybe_compute_loss"),
+    ("torch.distributed.pipelining.schedules", "_PipelineSchedule._loss_fn"),
+    # torch: tensors and modules
+    ("torch.utils._pytree", "tree_any"),  # _ghost.py
+    ("torch.utils._pytree", "tree_map"),  # _ghost.py
+    ("torch.utils._pytree", "tree_leaves"),  # _ghost.py, _structure.py, _pipeline.py
+    ("torch", "Tensor._make_wrapper_subclass"),  # _ghost.py
+    ("torch._C", "_disabled_torch_function_impl"),  # _ghost.py
+    ("torch", "ops.aten._local_scalar_dense.default"),  # _ghost.py
+    ("torch", "_foreach_mul_"),  # _runtime.py
+    ("torch.nn", "Module._parameters"),  # _cut.py, _stage.py, _structure.py, _callbacks.py
+    ("torch.nn", "Module._buffers"),  # _cut.py, _stage.py, _structure.py
+    ("torch.nn", "Module._modules"),  # _backbone.py
+    ("torch.nn", "Module._non_persistent_buffers_set"),  # _cut.py
+    ("torch.nn.utils.prune", "_compute_nparams_toprune"),  # _callbacks.py
+    ("torch.nn.utils.prune", "_validate_pruning_amount"),  # _callbacks.py
+    ("torch.nn._reduction", "legacy_get_string"),  # _loss_weights.py
+    # torchmetrics: Metric.forward's state handling
+    ("torchmetrics", "Metric._defaults"),
+    ("torchmetrics", "Metric._update_count"),
+    ("torchmetrics", "Metric._forward_cache"),
+    ("torchmetrics", "Metric._computed"),
+    ("torchmetrics", "Metric._cache"),
+    ("torchmetrics", "Metric._is_synced"),
+    ("torchmetrics", "Metric._to_sync"),
+    ("torchmetrics", "Metric._should_unsync"),
+    ("torchmetrics", "Metric._reduce_states"),
+)

@@ -1,0 +1,104 @@
+"""The gradients a training step computed, kept aside across Lightning's ``zero_grad`` and synchronised."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+
+class Gradients:
+    """The gradients a training step computed, kept aside across Lightning's ``zero_grad``.
+
+    Lightning runs ``training_step``, then ``zero_grad``, then ``backward``. The schedule runs backward inside
+    ``training_step``, so the gradients it writes would be wiped: they are taken out of ``.grad`` right after the
+    schedule (the earlier ``.grad``, accumulated over earlier batches, is put back) and added in ``backward``.
+
+    Args:
+        module: this rank's part of the model: its parameters that require gradients now are the trainable ones (a
+            callback such as ``BackboneFinetuning`` may change which between steps).
+        replica_group: the data-parallel replicas of this rank (``None`` with one): gradients are averaged over it.
+        tie_groups: ``(group, parameters)`` for the parameters this rank shares with other ranks of its pipeline
+            (tied or reused): their gradients are summed over the group.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        replica_group: Optional[dist.ProcessGroup] = None,
+        tie_groups: Sequence[tuple[dist.ProcessGroup, list[nn.Parameter]]] = (),
+    ) -> None:
+        self.module = module
+        self.replica_group = replica_group
+        self.tie_groups = list(tie_groups)
+        self._pending: Optional[list[tuple[nn.Parameter, Tensor]]] = None
+
+    def trainable(self) -> list[nn.Parameter]:
+        return [p for p in self.module.parameters() if p.requires_grad]
+
+    @contextmanager
+    def computed_aside(self) -> Iterator[None]:
+        """Let the block write fresh gradients, then keep them aside and restore the earlier ones; the kept ones are
+        synchronised by :meth:`synchronise`."""
+        params = self.trainable()
+        previous = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        try:
+            yield
+        finally:
+            self._pending = [(p, p.grad) for p in params if p.grad is not None]
+            for p, grad in zip(params, previous):
+                p.grad = grad
+
+    def synchronise(self, scale: float = 1.0) -> None:
+        """Multiply the kept gradients by ``scale`` (the step's loss weighting, [Note: token-weighted losses]: one
+        replica's own, so before averaging), average them over the replicas and sum tied copies over their ranks."""
+        kept = dict(self._pending or ())
+        if scale != 1.0 and kept:
+            torch._foreach_mul_(list(kept.values()), scale)
+        if self.replica_group is not None and kept:
+            _all_reduce(list(kept.values()), self.replica_group, average=True)
+        for group, shared in self.tie_groups:
+            # Every copy takes part (the same sizes on every rank); a frozen copy gets its gradient dropped after.
+            grads = [kept.get(p) if p in kept else torch.zeros_like(p) for p in shared]
+            _all_reduce(grads, group, average=False)
+            for p, grad in zip(shared, grads):
+                if p.requires_grad:
+                    kept[p] = grad
+                else:
+                    kept.pop(p, None)
+        self._pending = list(kept.items())
+
+    def hand_back(self) -> None:
+        """Add the kept gradients to ``.grad`` (called by ``Strategy.backward``, after ``zero_grad``)."""
+        pending, self._pending = self._pending, None
+        for param, grad in pending or ():
+            if param.grad is None:
+                param.grad = grad
+            else:
+                param.grad.add_(grad)
+
+    def discard(self) -> None:
+        self._pending = None
+
+
+def _all_reduce(tensors: list[Tensor], group: dist.ProcessGroup, average: bool) -> None:
+    """Sum (or average) ``tensors`` in place over ``group``, one flat buffer per dtype and device."""
+    by_kind: dict[tuple, list[Tensor]] = {}
+    for t in tensors:
+        by_kind.setdefault((t.dtype, t.device), []).append(t)
+    size = dist.get_world_size(group)
+    for group_tensors in by_kind.values():
+        flat = torch.cat([t.reshape(-1) for t in group_tensors])
+        dist.all_reduce(flat, group=group)
+        if average:
+            flat /= size
+        offset = 0
+        for t in group_tensors:
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
