@@ -48,8 +48,9 @@ from lightning_pipe._lightning.options import validated_options
 from lightning_pipe._lightning.precision import PipelinePrecision, pipeline_precision
 from lightning_pipe._lightning.processes import end_launched_processes, launched_processes, pipeline_mesh
 from lightning_pipe._lightning.summary import summarize_whole_model
-from lightning_pipe._model import materialize as _materialize
+from lightning_pipe._model.activation_checkpointing import checkpointed_blocks
 from lightning_pipe._model.cut import Cut, connect_ties, drop_ghosts
+from lightning_pipe._model.materialize import materialize_local
 from lightning_pipe._model.profile import first_batch, measure_backbone
 from lightning_pipe._model.split import refuse_unsupported, split_module
 from lightning_pipe._step.microbatches import MicrobatchPolicy
@@ -72,7 +73,7 @@ log = logging.getLogger(__name__)
 class PipelineStrategy(ParallelStrategy):
     """Pipeline parallelism for an unchanged LightningModule, on ``torch.distributed.pipelining``.
 
-    The module's sequential backbone (an ``nn.Sequential``) is cut into contiguous stages, one or more per
+    The module's backbone (its blocks, in one or more containers) is cut into contiguous stages, one or more per
     process; each process keeps only its stages, under their original parameter names. Every training batch
     runs through the chosen pipeline schedule in microbatches; validation, test and prediction run through a
     forward-only pass. The user's ``*_step`` methods run unchanged: the code before the backbone call prepares
@@ -360,13 +361,13 @@ class PipelineStrategy(ParallelStrategy):
             balance=options.balance, device=device, fitting=fitting,
             sample=lambda: first_batch(module, self.batch_to_device), measure=measure,
         )
-        _materialize.materialize_local(module, cut.backbone, device)
+        materialize_local(module, cut.backbone, device)
         return cut
 
     def _adapt_to_cut(self, trainer: pl.Trainer, cut: Cut) -> None:
         """Callbacks learn this rank's share, summary and throughput count the whole model, samplers are chosen."""
         module = self.lightning_module
-        tied = _shared_parameters(module, cut)
+        tied = cut.tied_parameter_ids(module)
         _callbacks.after_cut(
             trainer.callbacks, module, tied=tied, group=self.device_mesh.get_group("pp"), device=self.root_device
         )
@@ -387,7 +388,7 @@ class PipelineStrategy(ParallelStrategy):
         options, mesh, pipeline = self._options, self.device_mesh, self.device_mesh.get_group("pp")
         runtime = PipelineRuntime(
             self.lightning_module, cut, options.schedule, microbatches, pipeline, mesh.get_group("dp"), ties,
-            self.root_device, _materialize.checkpointed_blocks(options.activation_checkpointing),
+            self.root_device, checkpointed_blocks(options.activation_checkpointing),
             amp_scaler=getattr(self.precision_plugin, "scaler", None), timeline=options.timeline,
             check_data_every=options.check_data_every_n_batches,
         )
@@ -584,10 +585,3 @@ class PipelineStrategy(ParallelStrategy):
             for name in spec.strategy_names:
                 if name not in strategy_registry:
                     strategy_registry.register(name, cls, description=description, schedule=spec.name)
-
-
-
-def _shared_parameters(module: nn.Module, cut: Cut) -> set[int]:
-    """Ids of this rank's parameters that are tied: held by several ranks, or under several names."""
-    shared = {name for name, _, _ in cut.ties()} | set(cut.names.aliases.values())
-    return {id(p) for p in module.parameters() if cut.names.first_name.get(id(p)) in shared}

@@ -24,16 +24,16 @@ Lightning (checked against 2.6.6):
   running stage (loader, datamodule or module hook) before the loop iterates it; ``balance="time"`` profiles its
   first batch.
 - ``LightningModule._device_mesh``: what ``LightningModule.device_mesh`` returns; Lightning's ModelParallelStrategy
-  sets it the same way (:func:`set_device_mesh`).
+  sets it the same way (``PipelineStrategy.setup_environment``).
 - ``Strategy._launcher``, ``_precision_plugin``, ``_layer_sync`` and the ``_configure_launcher`` hook: the protected
   members every Lightning strategy subclass sets or reads (the launcher it starts, the precision plugin behind the
   ``precision_plugin`` property, the plugin ``sync_batchnorm=True`` installs).
 - ``ModelSummary._summary`` (the callback's way to its summary; Lightning special-cases only DeepSpeed there): the
   strategy gives ``Trainer.callbacks`` a copy of each summary callback whose ``_summary`` counts the whole model
-  (``_summary.summarize_whole_model``).
+  (``_lightning/summary.py``: ``summarize_whole_model``).
 - ``ThroughputMonitor._throughputs`` (its ``Throughput`` per stage, built in the callback's ``setup`` with
   ``world_size=trainer.world_size``): every rank of a pipeline processes the same batch, so the global figures must
-  count data-parallel replicas, not processes (:func:`count_replicas_in_throughput`).
+  count data-parallel replicas, not processes (:func:`.lightning.count_replicas_in_throughput`).
 - The state built-in callbacks take from the whole module in their ``setup`` hook, before the cut, retaken from this
   rank's share after it (:mod:`lightning_pipe._lightning.callbacks`; Lightning has no hook between a strategy's cut and
   the callbacks): ``StochasticWeightAveraging``/``WeightAveraging._average_model`` (and
@@ -47,17 +47,17 @@ Lightning (checked against 2.6.6):
   rank. - ``Trainer._accelerator_connector.use_distributed_sampler`` and
   ``lightning.pytorch.utilities.data._update_dataloader``: with one pipeline (no data parallelism) Lightning would
   still put a shuffling ``DistributedSampler`` on the training loader; the strategy turns that off and gives a
-  shuffled loader a sampler seeded the same on every stage (:func:`keep_loader_order`, :func:`with_sampler`).
-  Lightning asks the strategy only for the sampler's replicas and rank, not whether to shuffle.
+  shuffled loader a sampler seeded the same on every stage (:func:`.lightning.keep_loader_order`;
+  ``_lightning/data.py``). Lightning asks the strategy only for the sampler's replicas and rank, not whether to shuffle.
 - ``LightningModule.log`` is replaced by an instance attribute while a pipelined step runs on the last stage
-  (:func:`logging_routed_to`): Lightning has no hook to intercept ``self.log`` calls, and the step's logs must be
-  reduced over microbatches and replayed on every rank.
+  (:func:`.lightning.logging_routed_to`): Lightning has no hook to intercept ``self.log`` calls, and the step's logs
+  must be reduced over microbatches and replayed on every rank.
 
 torch (checked against 2.13.0, 2.14.1 and 2.15.0; ``pyproject.toml`` pins ``<2.16``):
 
 - ``torch.distributed.ProcessGroupGloo._Options`` and the backend options' ``_timeout``: the only way to give the
   device mesh's sub-groups the strategy's ``timeout`` (``init_device_mesh`` otherwise creates them with 30 minutes;
-  :func:`mesh_group_options`).
+  :func:`.torch.mesh_group_options`).
 - ``torch.distributed.checkpoint.default_planner._EmptyStateDictLoadPlanner`` and
   ``torch.distributed.checkpoint.state_dict_loader._load_state_dict``: read a DCP checkpoint into an empty state dict
   in one process (consolidation); without them, the public ``dcp.load`` reads into a template built from the index.
@@ -70,9 +70,10 @@ torch (checked against 2.13.0, 2.14.1 and 2.15.0; ``pyproject.toml`` pins ``<2.1
   lowerings ``schedules._add_send_recv`` and, from 2.15 (looked up by name), ``_add_wait_send``: where a stage feeds
   the next one on the same process (the V-shaped ``ZBVZeroBubble`` and ``DualPipeV``; any multi-stage schedule on
   one process), evaluation runs the forward actions only, with torch's own communication actions added
-  (:func:`keep_forward_actions`). torch's ``eval()`` on these pipelines fails on the stage-local gradient hand-over
-  between two stages ("can't steal_bwd_input if this stage doesn't have backward"), and its own lowering refuses a
-  schedule without backward actions. 2.15 fails a step that leaves a send without a ``WAIT_SEND_F``/``_B`` action.
+  (:func:`.torch.keep_forward_actions`). torch's ``eval()`` on these pipelines fails on the stage-local gradient
+  hand-over between two stages ("can't steal_bwd_input if this stage doesn't have backward"), and its own lowering
+  refuses a schedule without backward actions. 2.15 fails a step that leaves a send without a ``WAIT_SEND_F``/``_B``
+  action.
 - ``torch.distributed.pipelining.schedules._batch_p2p`` and ``_wait_batch_p2p`` (module globals every schedule
   posts and waits for its transfers through), ``_PipelineSchedule._maybe_compute_loss``, ``_loss_fn``, and a
   schedule's ``_stage``/``_stages``: wrapped for the duration of one traced step by ``timeline=`` (no hook exists
@@ -121,7 +122,7 @@ PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     ("lightning.pytorch.trainer.connectors.accelerator_connector", "_AcceleratorConnector.use_distributed_sampler"),
     ("lightning.pytorch.utilities.data", "_update_dataloader"),
     # Lightning: built-in callbacks
-    ("lightning.pytorch.callbacks", "ModelSummary._summary"),  # _summary.py
+    ("lightning.pytorch.callbacks", "ModelSummary._summary"),  # _lightning/summary.py
     ("lightning.pytorch.callbacks", "ThroughputMonitor._throughputs"),
     ("lightning.pytorch.callbacks", "StochasticWeightAveraging._average_model"),
     ("lightning.pytorch.callbacks", "StochasticWeightAveraging._clear_schedulers"),
@@ -159,18 +160,19 @@ PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     # torch: tensors and modules
     ("torch.utils._pytree", "tree_any"),  # _ghost.py
     ("torch.utils._pytree", "tree_map"),  # _ghost.py
-    ("torch.utils._pytree", "tree_leaves"),  # _ghost.py, _structure.py, _pipeline.py
+    ("torch.utils._pytree", "tree_leaves"),  # _ghost.py, _model/structure.py, _step/pipeline.py
     ("torch", "Tensor._make_wrapper_subclass"),  # _ghost.py
     ("torch._C", "_disabled_torch_function_impl"),  # _ghost.py
     ("torch", "ops.aten._local_scalar_dense.default"),  # _ghost.py
-    ("torch", "_foreach_mul_"),  # _runtime.py
-    ("torch.nn", "Module._parameters"),  # _cut.py, _stage.py, _structure.py, _callbacks.py
-    ("torch.nn", "Module._buffers"),  # _cut.py, _stage.py, _structure.py
-    ("torch.nn", "Module._modules"),  # _backbone.py
-    ("torch.nn", "Module._non_persistent_buffers_set"),  # _cut.py
-    ("torch.nn.utils.prune", "_compute_nparams_toprune"),  # _callbacks.py
-    ("torch.nn.utils.prune", "_validate_pruning_amount"),  # _callbacks.py
-    ("torch.nn._reduction", "legacy_get_string"),  # _loss_weights.py
+    ("torch", "_foreach_mul_"),  # _step/gradients.py
+    # _model/cut.py, _model/materialize.py, _model/structure.py, _lightning/callbacks.py
+    ("torch.nn", "Module._parameters"),
+    ("torch.nn", "Module._buffers"),  # _model/cut.py, _model/materialize.py, _model/structure.py
+    ("torch.nn", "Module._modules"),  # _model/backbone.py
+    ("torch.nn", "Module._non_persistent_buffers_set"),  # _model/cut.py
+    ("torch.nn.utils.prune", "_compute_nparams_toprune"),  # _lightning/callbacks.py
+    ("torch.nn.utils.prune", "_validate_pruning_amount"),  # _lightning/callbacks.py
+    ("torch.nn._reduction", "legacy_get_string"),  # _step/loss_weights.py
     # torchmetrics: Metric.forward's state handling
     ("torchmetrics", "Metric._defaults"),
     ("torchmetrics", "Metric._update_count"),

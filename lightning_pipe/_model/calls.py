@@ -97,7 +97,7 @@ class BlockCalls:
                 " once each, in the order the container holds them."
             )
         self.next += 1
-        at = self.hidden_at(index, args, kwargs)
+        at = self.locate_hidden(index, args, kwargs)
         hidden = get_hidden(args, kwargs, at)
         if index > 0 and hidden is not self.chain:
             prev = backbone.blocks[index - 1].name
@@ -114,7 +114,8 @@ class BlockCalls:
             self.on_backbone_end()
         return out
 
-    def hidden_at(self, index: int, args: tuple, kwargs: dict) -> HiddenAt:
+    def locate_hidden(self, index: int, args: tuple, kwargs: dict) -> HiddenAt:
+        """Where this call carries the hidden state (setup learned it; the analysis overrides this to learn it)."""
         return self.program.structure.hidden_at[index]
 
     def on_block(self, index: int, block: nn.Module, args: tuple, kwargs: dict, at: HiddenAt, hidden: Any) -> Any:

@@ -225,6 +225,11 @@ class Cut:
             old = reg.owner.__dict__[reg.name]
             object.__setattr__(reg.owner, reg.name, Ghost(meta.detach(), old.device, old._origin))
 
+    def tied_parameter_ids(self, module: nn.Module) -> set[int]:
+        """Ids of this rank's parameters that are tied: held by several ranks, or under several names."""
+        shared = {name for name, _, _ in self.ties()} | set(self.names.aliases.values())
+        return {id(p) for p in module.parameters() if self.names.first_name.get(id(p)) in shared}
+
     def describe(self, rank: int) -> str:
         held = self.held(rank)
         numel = sum(t.numel() for t in _unique(held))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Callable, Union
+from typing import Union
 
 import torch
 from torch import nn
@@ -15,8 +15,6 @@ from torchmetrics import Metric
 
 from lightning_pipe._lightning.seed import global_seed
 from lightning_pipe._model.backbone import Backbone, find_backbone
-
-Checkpointing = Union[bool, list[str], Callable[[nn.Module], bool]]
 
 
 # ---------------------------------------------------------------------------------------------- materialising
@@ -111,17 +109,3 @@ def _owns_tensors(module: nn.Module) -> bool:
     return any(v is not None for v in itertools.chain(module._parameters.values(), module._buffers.values())) or any(
         isinstance(v, torch.Tensor) for v in vars(module).values()
     )
-
-
-# ---------------------------------------------------------------------------------------------- checkpointing
-def checkpointed_blocks(option: Checkpointing) -> Callable[[nn.Module], bool]:
-    """Which blocks ``activation_checkpointing=`` selects: all (``True``), those of the named classes, those a
-    callable accepts, or none."""
-    if option is True:
-        return lambda block: True
-    if not option:
-        return lambda block: False
-    if callable(option):
-        return lambda block: bool(option(block))
-    names = set(option)
-    return lambda block: type(block).__name__ in names

@@ -16,6 +16,8 @@ Any of these that fails is an error at setup, on every rank, naming the fix.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Callable, Optional
 
 import torch
@@ -122,7 +124,8 @@ class _Analysis(BlockCalls):
                 )
 
     # --------------------------------------------------------------------------------------------- block calls
-    def hidden_at(self, index: int, args: tuple, kwargs: dict) -> HiddenAt:
+    def locate_hidden(self, index: int, args: tuple, kwargs: dict) -> HiddenAt:
+        """Learn (and record) where this call carries the hidden state, checking it against the block before."""
         if index == 0:
             self.started = True
             _refuse_filled_cache(args, kwargs)
@@ -216,18 +219,14 @@ def _refuse_filled_cache(args: tuple, kwargs: dict) -> None:
                 )
 
 
-class everything_ghosted:
+@contextmanager
+def everything_ghosted(module: nn.Module, device: torch.device) -> Iterator[dict[int, Ghost]]:
     """Every parameter of ``module``, and every buffer of a module with parameters, a ghost for the block (one ghost
     per tensor, shared by the names it has). Yields ``{id(real tensor): ghost}``."""
-
-    def __init__(self, module: nn.Module, device: torch.device) -> None:
-        self.module = module
-        self.device = device
-        self.swaps: list[tuple[dict, str, Tensor]] = []
-
-    def __enter__(self) -> dict[int, Ghost]:
-        ghosts: dict[int, Ghost] = {}
-        for path, sub in self.module.named_modules(remove_duplicate=False):
+    ghosts: dict[int, Ghost] = {}
+    swaps: list[tuple[dict, str, Tensor]] = []
+    try:
+        for path, sub in module.named_modules(remove_duplicate=False):
             owned = sub._parameters
             tables = [owned] + ([sub._buffers] if any(v is not None for v in owned.values()) else [])
             for table in tables:
@@ -236,12 +235,10 @@ class everything_ghosted:
                         continue
                     ghost = ghosts.get(id(value))
                     if ghost is None:
-                        ghost = ghosts[id(value)] = ghost_of(value, self.device, f"{path}.{name}".lstrip("."))
-                    self.swaps.append((table, name, value))
+                        ghost = ghosts[id(value)] = ghost_of(value, device, f"{path}.{name}".lstrip("."))
+                    swaps.append((table, name, value))
                     table[name] = ghost
-        return ghosts
-
-    def __exit__(self, *exc: Any) -> None:
-        for table, name, value in reversed(self.swaps):
+        yield ghosts
+    finally:
+        for table, name, value in reversed(swaps):
             table[name] = value
-        self.swaps.clear()

@@ -1,0 +1,23 @@
+"""``activation_checkpointing=``: which blocks recompute their activations in backward."""
+
+from __future__ import annotations
+
+from typing import Callable, Union
+
+from torch import nn
+
+#: ``PipelineStrategy(activation_checkpointing=...)``: all blocks, those of the named classes, or a predicate.
+Checkpointing = Union[bool, list[str], Callable[[nn.Module], bool]]
+
+
+def checkpointed_blocks(option: Checkpointing) -> Callable[[nn.Module], bool]:
+    """Which blocks ``activation_checkpointing=`` selects: all (``True``), those of the named classes, those a
+    callable accepts, or none."""
+    if option is True:
+        return lambda block: True
+    if not option:
+        return lambda block: False
+    if callable(option):
+        return lambda block: bool(option(block))
+    names = set(option)
+    return lambda block: type(block).__name__ in names
