@@ -19,9 +19,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 import zoo
-import zoo_job
 from helpers import merged_state, run_script
-from test_models import assert_same_training
+from test_models import assert_same_training, ranks, reference
 
 from lightning_pipe._step.loss_weights import LossWeighing
 
@@ -58,10 +57,6 @@ def launch(work: Path, name: str, devices: int, phases: list[dict]) -> tuple[Pat
     return out, proc.stdout
 
 
-def ranks(out: Path, name: str, devices: int) -> list[dict[str, Any]]:
-    return [torch.load(out / f"{name}.rank{r}.pt", weights_only=False) for r in range(devices)]
-
-
 @pytest.fixture(scope="module")
 def work(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("finetuning")
@@ -75,10 +70,6 @@ def two(work) -> tuple[Path, str]:
 @pytest.fixture(scope="module")
 def four(work) -> tuple[Path, str]:
     return launch(work, "four", 4, FOUR)
-
-
-def reference(phase: dict[str, Any]) -> dict[str, Any]:
-    return zoo_job.run_phase({**phase, "strategy": None}, 1)
 
 
 @pytest.mark.dist

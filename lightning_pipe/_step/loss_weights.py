@@ -30,8 +30,6 @@ from __future__ import annotations
 
 import inspect
 import warnings
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any, Optional
 
 import torch
@@ -123,10 +121,9 @@ class LossWeighing:
         self.reference: Optional[Tensor] = None  # r: the first non-zero count
         self.unweighted: dict[str, list[Tensor]] = {}  # what the rows-weighting could not cover, with its counts
 
-    @contextmanager
-    def observing(self) -> Iterator[MeanObserver]:
-        with MeanObserver() as observer:
-            yield observer
+    def observing(self) -> MeanObserver:
+        """The observer of one microbatch's loss code, a context manager (a ``TorchFunctionMode``)."""
+        return MeanObserver()
 
     def add(self, result: Any, loss: Tensor, observer: MeanObserver) -> tuple[Optional[Tensor], float]:
         """Take one microbatch's loss; returns its weight (``None``: its rows) and the factor that multiplies the loss
@@ -141,17 +138,15 @@ class LossWeighing:
                 " same way for every batch (always the same mean-reduced cross-entropy, or always"
                 f" `{{'loss': ..., '{NUM_ITEMS}': ...}}`)."
             )
+        self.losses.append(loss.detach())
         if weight is None:
             self._note_unweighted(loss, observer)
-            self.losses.append(loss.detach())
             return None, 1.0
-        self.losses.append(loss.detach())
         self.weights.append(weight)
-        if self.reference is None and bool(weight > 0):
-            self.reference = weight
         if not bool(weight > 0):
             return weight, 0.0
-        assert self.reference is not None
+        if self.reference is None:
+            self.reference = weight
         return weight, float(weight / self.reference)
 
     def result(self) -> tuple[Tensor, float]:
@@ -195,7 +190,8 @@ class LossWeighing:
                 self.unweighted.setdefault(what, []).append(count.detach())
 
 
-def warn_once(message: str) -> None:
+def warn_unweighted(message: str) -> None:
+    """Emit :meth:`LossWeighing.warning`'s message (the runtime does so once per run)."""
     warnings.warn(message, PipelineDataDependentMeanWarning, stacklevel=2)
 
 

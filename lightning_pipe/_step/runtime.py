@@ -50,7 +50,7 @@ from lightning_pipe._model.cut import Cut
 from lightning_pipe._model.structure import everything_ghosted
 from lightning_pipe._model.untouched import untouched
 from lightning_pipe._step.gradients import Gradients
-from lightning_pipe._step.loss_weights import LossWeighing, warn_once
+from lightning_pipe._step.loss_weights import LossWeighing, warn_unweighted
 from lightning_pipe._step.microbatches import MicrobatchPolicy
 from lightning_pipe._step.pipeline import StageModule, StagePipeline
 from lightning_pipe._step.program import StepProgram
@@ -259,7 +259,7 @@ class PipelineRuntime:
         message = weighing.warning()
         if message is not None and not self._mean_warned:
             self._mean_warned = True
-            warn_once(message)
+            warn_unweighted(message)
 
     def _waiting_for_last_stage(self) -> Any:
         rank = self.pipeline.last_stage_rank
