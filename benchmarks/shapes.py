@@ -19,7 +19,7 @@ that rest.
 
 Part 2, memory. ``--memory-batches`` batches of ``--memory-batch-size`` rows, each of a length of its own (drawn
 from ``--memory-min-len`` to ``--memory-max-len``), trained with the bound on schedules
-(``lightning_pipe._step.pipeline.MAX_SCHEDULES``) and with the bound off (``--memory-runs``; ``fixed`` adds a run at one
+(``lightning_pipe._step.shapes.MAX_SCHEDULES``) and with the bound off (``--memory-runs``; ``fixed`` adds a run at one
 fixed length, the longest). Each rank reports its resident set size after every step, and the bytes of the receive
 buffers its kept schedules hold. The buffers grow with rows, length and width, not with depth or vocabulary, so this
 part runs the benchmark model with ``--memory-n-layers`` blocks and a ``--memory-vocab-size`` vocabulary: that keeps
@@ -52,7 +52,7 @@ from llama import load_corpus  # noqa: E402
 
 from lightning_pipe import PipelineStrategy  # noqa: E402
 from lightning_pipe._compat.torch import schedule_stages  # noqa: E402
-from lightning_pipe._step.pipeline import MAX_SCHEDULES, ScheduleCache  # noqa: E402
+from lightning_pipe._step.shapes import MAX_SCHEDULES, ScheduleCache  # noqa: E402
 
 #: Functions whose cumulative time the profiled pair reports: ours, then torch's first-step set-up.
 PROFILED = {

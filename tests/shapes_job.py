@@ -2,7 +2,7 @@
 
 Usage: ``python tests/shapes_job.py OUT_DIR [DEVICES]``. With 2 devices it trains with ``PipelineStrategy`` and
 every rank writes ``OUT_DIR/rank<r>.pt``: the losses, its part of the weights, and after every step the schedules
-its pipeline keeps and its :class:`~lightning_pipe._step.pipeline.ShapeStats`. It also holds weak references to each
+its pipeline keeps and its :class:`~lightning_pipe._step.shapes.ShapeStats`. It also holds weak references to each
 schedule's stages and receive buffers, with the cyclic garbage collector off, and records which of them are still
 alive once the schedule has left the cache: only reference counting can have freed them. With 1 device the same
 model trains on the same batches without a strategy (the reference).

@@ -12,7 +12,8 @@ import shapes_job
 import torch
 from helpers import merged_state, run_script
 
-from lightning_pipe._step.pipeline import ScheduleCache, _size_map
+from lightning_pipe._step.shapes import ScheduleCache
+from lightning_pipe._step.shapes import size_map as _size_map
 
 pytestmark = pytest.mark.dist
 

@@ -11,25 +11,9 @@ the loss on uninitialised data. A schedule is kept per (microbatch shape, count,
 its own correctly-shaped schedule instead of reusing stale buffers; a schedule whose step raised is dropped with its
 stages, which that step left half-run.
 
-[Note: stage shapes] A stage's shapes are found by running microbatch 0 through it once on ghosts
-(:mod:`lightning_pipe._ghost`: no compute, nothing changes), the probe. A stage's input is the previous stage's
-output, on another rank, so the first shape met is probed stage after stage, each output broadcast down the
-pipeline. A later shape is probed on every rank at once: each stage's input is guessed from a remembered shape whose
-sizes map one to one onto the new ones (sequence length 64 becomes 63 wherever it appears), and one all-gather
-checks every guess against the output it stands for. A wrong guess (a size that only happened to equal the sequence
-length) costs the in-order walk after it, never a wrong shape. Stage shapes are remembered per shape key
-(:data:`MAX_SHAPES_REMEMBERED`), so a schedule rebuilt after eviction or a failed step runs neither probe nor
-collective. What a rank decides (which path, which guess source) depends on the keys only, the same on every rank.
-
-[Note: schedules kept per shape] On torch 2.13 and 2.14 a stage allocates receive buffers (activations forward,
-gradients backward) for every microbatch when its schedule first steps, and holds them as long as the schedule
-lives. Data padded per batch meets a new shape with nearly every batch, so the schedules are kept in a
-least-recently-used cache of :data:`MAX_SCHEDULES` (:class:`ScheduleCache`). The key sequence is the batch sequence,
-the same on every rank of a pipeline, so every rank builds and evicts the same schedules at the same step (building
-runs collectives). An evicted schedule's stages and buffers are freed at once: nothing outside the cache refers to
-them. :attr:`StagePipeline.shape_stats` counts the shapes met and what building their schedules cost.
+How stage shapes are probed and which schedules are kept: :mod:`lightning_pipe._step.shapes` ([Note: stage
+shapes], [Note: schedules kept per shape]).
 """
-
 from __future__ import annotations
 
 import logging
@@ -37,7 +21,6 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
@@ -56,112 +39,24 @@ from torch.utils._pytree import tree_leaves
 from lightning_pipe import _watchdog
 from lightning_pipe._compat.torch import keep_forward_actions
 from lightning_pipe._step.program import StepProgram
+from lightning_pipe._step.shapes import (
+    MAX_SCHEDULES,
+    MAX_SHAPES_REMEMBERED,
+    Meta,
+    ScheduleCache,
+    ShapeStats,
+    describe_key,
+    resized,
+    shape_of,
+    size_map,
+)
 from lightning_pipe.partition import StageLayout
 from lightning_pipe.schedules import ScheduleSpec
 from lightning_pipe.timeline import TimelineRecorder
 
 log = logging.getLogger(__name__)
-_Meta = tuple[tuple[int, ...], torch.dtype]
 #: ``probe(stage, rows, received) -> output``: a stage's output shape for an input shape, leaving no trace.
-Probe = Callable[[int, torch.Tensor, Optional[_Meta]], _Meta]
-
-
-#: Schedules a pipeline keeps (:class:`ScheduleCache`). Four holds the steady set of a fixed-length run without a
-#: rebuild: training and evaluation batches, each with its ragged last batch. Beyond those, every kept schedule holds
-#: one shape's receive buffers (at hidden 8192, 4096 tokens, bf16 and 16 one-row microbatches, about 2 GB), while
-#: rebuilding an evicted schedule costs about a millisecond: its stage shapes are remembered ([Note: stage shapes]).
-MAX_SCHEDULES = 4
-#: Stage shapes a pipeline remembers (:meth:`StagePipeline._stage_metas`): a few hundred bytes each.
-MAX_SHAPES_REMEMBERED = 1024
-
-
-@dataclass(frozen=True)
-class ShapeStats:
-    """What new microbatch shapes cost a pipeline so far (:attr:`StagePipeline.shape_stats`).
-
-    A shape is a schedule key: microbatch shapes, microbatch count, training or evaluation, autocast. The counters
-    add up: ``built == kept + evicted + dropped``, and ``built - shapes`` schedules were rebuilt for a shape met
-    before (evicted, or dropped after a failed step).
-
-    Attributes:
-        shapes: distinct shapes met.
-        built: schedules built.
-        evicted: schedules evicted to keep at most ``max_kept``.
-        dropped: schedules dropped because their step raised.
-        kept: schedules kept now.
-        max_kept: the bound on ``kept``.
-        probe_seconds: time spent learning stage shapes (ghost passes and their exchange over the pipeline).
-        construct_seconds: time spent constructing torch's stages and schedules.
-    """
-
-    shapes: int = 0
-    built: int = 0
-    evicted: int = 0
-    dropped: int = 0
-    kept: int = 0
-    max_kept: int = MAX_SCHEDULES
-    probe_seconds: float = 0.0
-    construct_seconds: float = 0.0
-
-    @property
-    def build_seconds(self) -> float:
-        """Time spent building schedules, probe and construction; a new schedule's first step adds torch's own
-        set-up (a two-message vote over the pipeline and the receive buffers), which is timed with that step."""
-        return self.probe_seconds + self.construct_seconds
-
-
-class ScheduleCache:
-    """The schedules of the shapes met last, least recently used first evicted (see [Note: schedules kept per shape]).
-
-    A schedule, its stages and their receive buffers form no reference cycle, and nothing else holds them between
-    steps: letting go of one frees it at once, without the cyclic garbage collector (``tests/test_shapes.py``).
-
-    Args:
-        max_kept: how many schedules to keep, at least 1.
-    """
-
-    def __init__(self, max_kept: int = MAX_SCHEDULES) -> None:
-        if max_kept < 1:
-            raise ValueError(f"`max_schedules={max_kept}` keeps no schedule; a step needs one: pass 1 or more.")
-        self._kept: OrderedDict[tuple, Any] = OrderedDict()
-        self._seen: set[tuple] = set()
-        self.stats = ShapeStats(max_kept=max_kept)
-
-    def __len__(self) -> int:
-        return len(self._kept)
-
-    def get(self, key: tuple) -> Optional[Any]:
-        """The schedule kept for ``key``, now the most recently used, or ``None``."""
-        schedule = self._kept.get(key)
-        if schedule is not None:
-            self._kept.move_to_end(key)
-        return schedule
-
-    def put(self, key: tuple, schedule: Any, probe_seconds: float, construct_seconds: float) -> list[tuple]:
-        """Keep a schedule just built for ``key``; returns the keys evicted to make room, oldest first."""
-        new_shape = key not in self._seen
-        self._seen.add(key)
-        self._kept[key] = schedule
-        evicted = []
-        while len(self._kept) > self.stats.max_kept:
-            evicted.append(self._kept.popitem(last=False)[0])
-        self._count(
-            shapes=int(new_shape), built=1, evicted=len(evicted),
-            probe_seconds=probe_seconds, construct_seconds=construct_seconds,
-        )
-        return evicted
-
-    def drop(self, schedule: Any) -> None:
-        """Forget ``schedule`` (its step raised), wherever it is kept."""
-        keys = [key for key, kept in self._kept.items() if kept is schedule]
-        for key in keys:
-            del self._kept[key]
-        self._count(dropped=len(keys))
-
-    def _count(self, **added: float) -> None:
-        stats = self.stats
-        fields = {name: getattr(stats, name) + value for name, value in added.items()}
-        self.stats = ShapeStats(**{**vars(stats), **fields, "kept": len(self._kept)})
+Probe = Callable[[int, torch.Tensor, Optional[Meta]], Meta]
 
 
 class StageModule(nn.Module):
@@ -220,7 +115,7 @@ class StagePipeline:
         self.first_stage_rank = layout.stage_rank(0)
         self.last_stage_rank = layout.stage_rank(layout.num_stages - 1)
         self._schedules = ScheduleCache(max_schedules)
-        self._metas: OrderedDict[tuple, dict[int, tuple[_Meta, _Meta]]] = OrderedDict()  # see _stage_metas
+        self._metas: OrderedDict[tuple, dict[int, tuple[Meta, Meta]]] = OrderedDict()  # see _stage_metas
         self._loss_fn: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None
 
     @property
@@ -343,7 +238,7 @@ class StagePipeline:
         )
         for old in evicted:
             log.debug("pipeline rank %d: evicted the schedule of %s (kept at most %d)",
-                      self.pipeline_rank, _describe(old), self._schedules.stats.max_kept)
+                      self.pipeline_rank, describe_key(old), self._schedules.stats.max_kept)
         return schedule
 
     def _make_stages(self, metas: Optional[dict[int, tuple]], training: bool = True) -> list[PipelineStage]:
@@ -393,10 +288,10 @@ class StagePipeline:
             self.layout.stage_rank(s) == self.layout.stage_rank(s + 1) for s in range(self.layout.num_stages - 1)
         )
 
-    def _stage_metas(self, key: tuple, rows: int) -> dict[int, tuple[_Meta, _Meta]]:
+    def _stage_metas(self, key: tuple, rows: int) -> dict[int, tuple[Meta, Meta]]:
         """Input and output shape of every local stage for the schedule ``key``, microbatches of ``rows`` rows
         (see [Note: stage shapes])."""
-        shape = _shape_of(key)
+        shape = shape_of(key)
         metas = self._metas.get(shape)
         if metas is not None:
             self._metas.move_to_end(shape)
@@ -410,23 +305,23 @@ class StagePipeline:
             self._metas.popitem(last=False)
         return metas
 
-    def _guess_inputs(self, shape: tuple) -> Optional[dict[int, _Meta]]:
+    def _guess_inputs(self, shape: tuple) -> Optional[dict[int, Meta]]:
         """The input shapes of the local stages for ``shape``, guessed from the last shape remembered whose sizes
         map one to one onto its sizes; ``None`` (the same on every rank) when there is none to guess from."""
         if self.layout.pipeline_size == 1:
             return None  # nothing to exchange: the stages are probed in order
         for old in reversed(self._metas):
-            sizes = _size_map(old, shape)
+            sizes = size_map(old, shape)
             if sizes is not None:
                 metas = self._metas[old]
-                return {s: _resized(metas[s][0], sizes) for s in metas if s > 0}
+                return {s: resized(metas[s][0], sizes) for s in metas if s > 0}
         return None
 
-    def _probe_at_once(self, rows: int, guesses: dict[int, _Meta]) -> Optional[dict[int, tuple[_Meta, _Meta]]]:
+    def _probe_at_once(self, rows: int, guesses: dict[int, Meta]) -> Optional[dict[int, tuple[Meta, Meta]]]:
         """Probe the local stages on the guessed inputs, all ranks at once, and check the guesses against the
         gathered outputs; ``None`` (the same on every rank) when one was wrong."""
         sample_rows = torch.arange(rows, device=self.device)
-        probed: dict[int, tuple[_Meta, Optional[_Meta]]] = {}
+        probed: dict[int, tuple[Meta, Optional[Meta]]] = {}
         for stage in sorted(self.stage_modules):
             if stage == 0:
                 in_meta = ((rows,), sample_rows.dtype)
@@ -455,15 +350,15 @@ class StagePipeline:
                   "right" if right else "wrong, probing in order")
         return dict(probed) if right else None
 
-    def _probe_in_order(self, rows: int) -> dict[int, tuple[_Meta, _Meta]]:
+    def _probe_in_order(self, rows: int) -> dict[int, tuple[Meta, Meta]]:
         """Walk the stages in order: the rank owning stage ``s`` learns its output shape (:attr:`probe`) and sends
         it to the pipeline, since it is the next stage's input."""
-        metas: dict[int, tuple[_Meta, _Meta]] = {}
+        metas: dict[int, tuple[Meta, Meta]] = {}
         sample_rows = torch.arange(rows, device=self.device)
-        in_meta: _Meta = ((rows,), sample_rows.dtype)
+        in_meta: Meta = ((rows,), sample_rows.dtype)
         for stage in range(self.layout.num_stages):
             owner = self.layout.stage_rank(stage)
-            out_meta: Optional[_Meta] = None
+            out_meta: Optional[Meta] = None
             if owner == self.pipeline_rank:
                 out_meta = self.probe(stage, sample_rows, in_meta if stage > 0 else None)
             if self.layout.pipeline_size > 1 and stage < self.layout.num_stages - 1:
@@ -483,42 +378,6 @@ class StagePipeline:
         return metas
 
 
-def _shape_of(key: tuple) -> tuple:
-    """What a schedule key's stage shapes depend on: all of it but the microbatch count."""
-    rows, shapes, _, training, autocast = key
-    return rows, shapes, training, autocast
-
-
-def _size_map(old: tuple, new: tuple) -> Optional[dict[int, int]]:
-    """``{old size: new size}`` over the rows and the sample's dimensions of two shape keys, or ``None`` if they
-    differ in mode, tensors, ranks or dtypes, or an old size would map to two new ones."""
-    (old_rows, old_shapes, *old_mode), (new_rows, new_shapes, *new_mode) = old, new
-    layout = [(len(shape), dtype) for shape, dtype in old_shapes]
-    if old_mode != new_mode or layout != [(len(shape), dtype) for shape, dtype in new_shapes]:
-        return None
-    sizes: dict[int, int] = {}
-    old_sizes = [old_rows, *(d for shape, _ in old_shapes for d in shape)]
-    new_sizes = [new_rows, *(d for shape, _ in new_shapes for d in shape)]
-    for before, after in zip(old_sizes, new_sizes):
-        if sizes.setdefault(before, after) != after:
-            return None
-    return sizes
-
-
-def _resized(meta: _Meta, sizes: dict[int, int]) -> _Meta:
-    shape, dtype = meta
-    return tuple(sizes.get(d, d) for d in shape), dtype
-
-
-def _describe(key: tuple) -> str:
-    """A schedule key in words, for the log."""
-    rows, shapes, num_microbatches, training, autocast = key
-    mode = "training" if training else "evaluation"
-    return f"{mode} with {num_microbatches} microbatches of {rows} rows, inputs {[list(s) for s, _ in shapes]}" + (
-        " under autocast" if autocast else ""
-    )
-
-
 def _construct(cls: type, stages: list, n: int, loss_fn: Optional[Callable], multi: bool) -> Any:
     if multi:
         return cls(stages, n, loss_fn=loss_fn, scale_grads=False)
@@ -527,6 +386,6 @@ def _construct(cls: type, stages: list, n: int, loss_fn: Optional[Callable], mul
     return cls(stages[0], n, loss_fn=loss_fn, scale_grads=False)
 
 
-def _meta_tensor(meta: _Meta, requires_grad: bool) -> torch.Tensor:
+def _meta_tensor(meta: Meta, requires_grad: bool) -> torch.Tensor:
     shape, dtype = meta
     return torch.empty(shape, dtype=dtype, device="meta").requires_grad_(requires_grad and dtype.is_floating_point)
