@@ -193,3 +193,20 @@ def test_weights_the_gradient_like_one_mean_over_the_batch():
     assert torch.allclose(grad * scale, expected, atol=1e-7)
     assert float(full) == pytest.approx(float(F.cross_entropy(logits, target)), abs=1e-6)
 
+
+
+def test_hugging_face_masked_lm_loss_is_weighted_by_its_masked_tokens():
+    """A BERT-style masked-LM loss (labels -100 everywhere but the masked positions) is a mean-reduced cross-entropy
+    returned as ``outputs.loss``: weighted automatically by the masked tokens it averages over."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=zoo.VOCAB, hidden_size=zoo.DIM, num_hidden_layers=2, num_attention_heads=zoo.HEADS,
+                        intermediate_size=2 * zoo.DIM, max_position_embeddings=64)
+    model = BertForMaskedLM(config)
+    input_ids = torch.randint(1, zoo.VOCAB, (3, 10))
+    labels = torch.full_like(input_ids, -100)
+    labels[0, [1, 4]] = input_ids[0, [1, 4]]
+    labels[2, 7] = input_ids[2, 7]
+    weighing = _weigh(lambda: model(input_ids=input_ids, labels=labels).loss)
+    assert weighing.source == "cross_entropy" and float(weighing.weights[0]) == 3
