@@ -191,7 +191,8 @@ class PipelineStrategy(ParallelStrategy):
 
     @property
     def device_mesh(self) -> DeviceMesh:
-        """The 2-D ``("dp", "pp")`` mesh: ``mesh["pp"]`` is this rank's pipeline, ``mesh["dp"]`` its replicas."""
+        """The 2-D ``("data_parallel", "pipeline_parallel")`` mesh: ``mesh["pipeline_parallel"]`` is this rank's
+        pipeline, ``mesh["data_parallel"]`` its replicas (named as in Lightning's ``ModelParallelStrategy``)."""
         if self._device_mesh is None:
             raise RuntimeError(
                 "`PipelineStrategy.device_mesh` is set up when the processes start; access it from `setup` on."
@@ -212,19 +213,19 @@ class PipelineStrategy(ParallelStrategy):
 
     @property
     def pipeline_parallel_size(self) -> int:
-        return self.device_mesh["pp"].size()
+        return self.device_mesh["pipeline_parallel"].size()
 
     @property
     def data_parallel_size(self) -> int:
-        return self.device_mesh["dp"].size()
+        return self.device_mesh["data_parallel"].size()
 
     @property
     def pipeline_rank(self) -> int:
-        return self.device_mesh["pp"].get_local_rank()
+        return self.device_mesh["pipeline_parallel"].get_local_rank()
 
     @property
     def data_parallel_rank(self) -> int:
-        return self.device_mesh["dp"].get_local_rank()
+        return self.device_mesh["data_parallel"].get_local_rank()
 
     @property
     @override
@@ -368,9 +369,8 @@ class PipelineStrategy(ParallelStrategy):
         """Callbacks learn this rank's share, summary and throughput count the whole model, samplers are chosen."""
         module = self.lightning_module
         tied = cut.tied_parameter_ids(module)
-        _callbacks.after_cut(
-            trainer.callbacks, module, tied=tied, group=self.device_mesh.get_group("pp"), device=self.root_device
-        )
+        pipeline = self.device_mesh.get_group("pipeline_parallel")
+        _callbacks.after_cut(trainer.callbacks, module, tied=tied, group=pipeline, device=self.root_device)
         trainer.callbacks = summarize_whole_model(trainer.callbacks, cut.param_counts)
         count_replicas_in_throughput(trainer.callbacks, self.data_parallel_size)
         self._own_sampling = self._own_sampling or data.takes_over_sampling(trainer, self.data_parallel_size)
@@ -385,9 +385,9 @@ class PipelineStrategy(ParallelStrategy):
         self, cut: Cut, microbatches: MicrobatchPolicy, ties: list[tuple[dist.ProcessGroup, list[nn.Parameter]]]
     ) -> PipelineRuntime:
         """This rank's pipeline; the precision plugin clips by the pipeline's norm, a tied parameter counted once."""
-        options, mesh, pipeline = self._options, self.device_mesh, self.device_mesh.get_group("pp")
+        options, mesh, pipeline = self._options, self.device_mesh, self.device_mesh.get_group("pipeline_parallel")
         runtime = PipelineRuntime(
-            self.lightning_module, cut, options.schedule, microbatches, pipeline, mesh.get_group("dp"), ties,
+            self.lightning_module, cut, options.schedule, microbatches, pipeline, mesh.get_group("data_parallel"), ties,
             self.root_device, checkpointed_blocks(options.activation_checkpointing),
             amp_scaler=getattr(self.precision_plugin, "scaler", None), timeline=options.timeline,
             check_data_every=options.check_data_every_n_batches,

@@ -380,3 +380,27 @@ def test_log_channel_values_only_round_trip():
         ("train_loss", 1.125, torch.float32, {"prog_bar": True}), ("n", 7.0, torch.int64, {})]
     changed = (second[0], [("other", torch.tensor(1.0), {})])
     assert channel._pack(changed)[0] == 0
+
+
+def test_configure_model_finds_the_mesh_by_model_parallel_strategy_names():
+    """``self.device_mesh`` in ``configure_model`` is the strategy's mesh, with ``"data_parallel"`` named as in
+    Lightning's ``ModelParallelStrategy`` and the pipeline's own ``"pipeline_parallel"``."""
+    import lightning as L
+    import zoo
+    from test_structure import Net
+
+    from lightning_pipe import PipelineStrategy
+
+    class ReadsTheMesh(Net):
+        def configure_model(self) -> None:
+            mesh = self.device_mesh
+            self.seen = (mesh.mesh_dim_names, mesh["data_parallel"].size(), mesh["pipeline_parallel"].size())
+
+    model = ReadsTheMesh()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, strategy=PipelineStrategy(num_microbatches=2), max_steps=1, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )
+    trainer.fit(model, zoo.loader("tokens", n=8, batch_size=4))
+    assert model.seen == (("data_parallel", "pipeline_parallel"), 1, 1)
+    assert trainer.strategy.device_mesh is model.device_mesh

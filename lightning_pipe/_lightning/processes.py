@@ -20,6 +20,12 @@ from lightning_pipe.partition import resolve_sizes
 GRACE_S = 3.0
 
 
+#: The mesh's dimensions, outermost first. ``"data_parallel"`` is named as in Lightning's ``ModelParallelStrategy``,
+#: so a ``configure_model`` written for it finds ``self.device_mesh["data_parallel"]``; ``"pipeline_parallel"`` is the
+#: pipeline's own. (Before 0.2 they were ``("dp", "pp")``.)
+MESH_DIMS = ("data_parallel", "pipeline_parallel")
+
+
 def pipeline_mesh(
     pipeline_parallel_size: Any,
     data_parallel_size: Any,
@@ -28,13 +34,13 @@ def pipeline_mesh(
     backend: Optional[str],
     timeout: Optional[timedelta],
 ) -> DeviceMesh:
-    """The 2-D ``("dp", "pp")`` mesh over every process, its ``"auto"`` sizes resolved against ``world_size``: each
-    row (``mesh["pp"]``) is one pipeline, each column (``mesh["dp"]``) the replicas of one pipeline rank. Every
-    sub-group gets ``timeout``."""
+    """The 2-D mesh over every process, dimensions :data:`MESH_DIMS`, its ``"auto"`` sizes resolved against
+    ``world_size``: each row (``mesh["pipeline_parallel"]``) is one pipeline, each column (``mesh["data_parallel"]``)
+    the replicas of one pipeline rank. Every sub-group gets ``timeout``."""
     pp, dp = resolve_sizes(pipeline_parallel_size, data_parallel_size, world_size)
     return init_device_mesh(
-        device_type, (dp, pp), mesh_dim_names=("dp", "pp"),
-        backend_override=mesh_group_options({"dp": dp, "pp": pp}, world_size, backend, timeout),
+        device_type, (dp, pp), mesh_dim_names=MESH_DIMS,
+        backend_override=mesh_group_options(dict(zip(MESH_DIMS, (dp, pp))), world_size, backend, timeout),
     )
 
 
