@@ -92,23 +92,24 @@ class ScheduleWatch(L.Callback):
     buffers of the schedules evicted so far are all freed."""
 
     def __init__(self) -> None:
-        self.refs: dict[int, tuple[tuple, list[weakref.ref]]] = {}  # id(schedule) -> (key, weak references)
+        # every schedule seen, as weak references (the schedule's first): tracked by identity, not by `id()`, which a
+        # new schedule may reuse once an evicted one is freed
+        self.tracked: list[list[weakref.ref]] = []
         self.steps: list[dict[str, Any]] = []
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *_: Any) -> None:
         pipeline = trainer.strategy.runtime.pipeline
-        kept = dict(pipeline._schedules._kept)
-        for key, schedule in kept.items():
-            if id(schedule) not in self.refs:
-                self.refs[id(schedule)] = (key, _weak_references(schedule))
-        kept_ids = {id(s) for s in kept.values()}
-        gone = [refs for sid, (_, refs) in self.refs.items() if sid not in kept_ids]
+        kept = list(pipeline._schedules._kept.values())
+        for schedule in kept:
+            if not any(refs[0]() is schedule for refs in self.tracked):
+                self.tracked.append(_weak_references(schedule))
+        gone = [refs for refs in self.tracked if not any(refs[0]() is s for s in kept)]
         self.steps.append({
             "kept": len(kept),
             "stats": vars(pipeline.shape_stats),
             "evicted_tracked": len(gone),
             "alive_after_eviction": sum(ref() is not None for refs in gone for ref in refs),
-            "references_per_schedule": [len(refs) for _, refs in self.refs.values()],
+            "references_per_schedule": [len(refs) for refs in self.tracked],
         })
 
 
