@@ -37,21 +37,30 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from typing_extensions import override
 
 from lightning_pipe import _watchdog
 from lightning_pipe._compat.lightning import count_replicas_in_throughput, init_process_group
 from lightning_pipe._lightning import callbacks as _callbacks
 from lightning_pipe._lightning import data
+from lightning_pipe._lightning.options import DataParallel as _DataParallel
 from lightning_pipe._lightning.options import Size as _Size
 from lightning_pipe._lightning.options import validated_options
 from lightning_pipe._lightning.precision import PipelinePrecision, pipeline_precision
-from lightning_pipe._lightning.processes import end_launched_processes, launched_processes, pipeline_mesh
+from lightning_pipe._lightning.processes import HSDP_DIMS, end_launched_processes, launched_processes, pipeline_mesh
 from lightning_pipe._lightning.summary import summarize_whole_model
 from lightning_pipe._model.activation_checkpointing import checkpointed_blocks
 from lightning_pipe._model.cut import Cut, connect_ties, drop_ghosts
 from lightning_pipe._model.materialize import materialize_local
 from lightning_pipe._model.profile import first_batch, measure_backbone
+from lightning_pipe._model.shard import (
+    ShardingOptions,
+    StageSharding,
+    refuse_unshardable,
+    refuse_user_sharding,
+    shard_stage,
+)
 from lightning_pipe._model.split import refuse_unsupported, split_module
 from lightning_pipe._step.microbatches import MicrobatchPolicy
 from lightning_pipe._step.runtime import PipelineRuntime
@@ -162,6 +171,9 @@ class PipelineStrategy(ParallelStrategy):
         timeline: Union[None, bool, int, str, dict, TimelineOptions] = None,
         stall_timeout: Union[None, float, timedelta] = timedelta(minutes=5),
         check_data_every_n_batches: Optional[int] = 100,
+        data_parallel: _DataParallel = "ddp",
+        data_parallel_shard_size: _Size = "auto",
+        reshard_after_forward: bool = False,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -172,8 +184,10 @@ class PipelineStrategy(ParallelStrategy):
         )
         self._options = validated_options(
             pipeline_parallel_size, data_parallel_size, num_microbatches, schedule, stages_per_rank, backbone, balance,
-            activation_checkpointing, timeline, stall_timeout, check_data_every_n_batches,
+            activation_checkpointing, timeline, stall_timeout, check_data_every_n_batches, data_parallel,
+            data_parallel_shard_size, reshard_after_forward,
         )
+        self._sharding: Optional[StageSharding] = None
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._device_mesh: Optional[DeviceMesh] = None
@@ -292,7 +306,8 @@ class PipelineStrategy(ParallelStrategy):
             options = self._options
             self._device_mesh = pipeline_mesh(
                 options.pipeline_parallel_size, options.data_parallel_size, self.world_size, self.root_device.type,
-                self._process_group_backend, self._timeout,
+                self._process_group_backend, self._timeout, options.data_parallel, options.data_parallel_shard_size,
+                self.num_processes,
             )
             log.debug(
                 "rank %d: mesh dp=%d x pp=%d, pipeline rank %d",
@@ -338,13 +353,17 @@ class PipelineStrategy(ParallelStrategy):
             pipeline_parallel_size=self.pipeline_parallel_size,
         )
         options = self._options
+        refuse_user_sharding(module)
+        if options.data_parallel != "ddp":
+            refuse_unshardable(options.data_parallel, self.precision_plugin, trainer.callbacks)
         microbatches = MicrobatchPolicy(
             options.num_microbatches, options.schedule, self.pipeline_parallel_size, options.stages_per_rank
         )
         cut = self._cut_into_stages(microbatches, fitting)
         self._adapt_to_cut(trainer, cut)
         self._convert_precision(cut)
-        ties = connect_ties(cut, module, self.device_mesh.mesh, self.global_rank, self._tie_groups, self._timeout)
+        mesh = self.device_mesh.mesh.reshape(-1, self.pipeline_parallel_size)  # [replica][pipeline rank]
+        ties = connect_ties(cut, module, mesh, self.global_rank, self._tie_groups, self._timeout)
         self._runtime = self._build_runtime(cut, microbatches, ties)
         self._setup_optimization(trainer, fitting)
         log.debug("rank %d: setup done for %s", self.global_rank, trainer.state.fn)
@@ -362,7 +381,8 @@ class PipelineStrategy(ParallelStrategy):
             balance=options.balance, device=device, fitting=fitting,
             sample=lambda: first_batch(module, self.batch_to_device), measure=measure,
         )
-        materialize_local(module, cut.backbone, device)
+        if self._options.data_parallel == "ddp":
+            materialize_local(module, cut.backbone, device)  # sharded: unit by unit, in `_convert_precision`
         return cut
 
     def _adapt_to_cut(self, trainer: pl.Trainer, cut: Cut) -> None:
@@ -376,10 +396,31 @@ class PipelineStrategy(ParallelStrategy):
         self._own_sampling = self._own_sampling or data.takes_over_sampling(trainer, self.data_parallel_size)
 
     def _convert_precision(self, cut: Cut) -> None:
-        """The module (and the ghosts of what other ranks hold) in the precision plugin's dtypes, on the device."""
+        """The module (and the ghosts of what other ranks hold) in the precision plugin's dtypes, on the device;
+        sharded over the replicas unit by unit first, with ``data_parallel="fsdp"|"hsdp"`` ([Note: sharded
+        stages])."""
+        self._sharding = None
+        if self._options.data_parallel != "ddp":
+            self._sharding = self._shard(cut)
         self.model = self.precision_plugin.convert_module(self.lightning_module)
         cut.convert_ghosts(self.pipeline_rank, self.precision_plugin.convert_module)
         self.model_to_device()
+
+    def _shard(self, cut: Cut) -> StageSharding:
+        options, mesh, device = self._options, self.device_mesh, self.root_device
+        shard_mesh = mesh[HSDP_DIMS[:2]] if options.data_parallel == "hsdp" else mesh["data_parallel"]
+        precision = getattr(self.precision_plugin, "precision", None)
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+            if precision == "bf16-mixed" else MixedPrecisionPolicy()
+
+        def prepare(unit: nn.Module) -> None:
+            self.precision_plugin.convert_module(unit)
+            unit.to(device)
+
+        return shard_stage(
+            self.lightning_module, cut, self.pipeline_rank, shard_mesh,
+            ShardingOptions(options.reshard_after_forward, policy), device, prepare,
+        )
 
     def _build_runtime(
         self, cut: Cut, microbatches: MicrobatchPolicy, ties: list[tuple[dist.ProcessGroup, list[nn.Parameter]]]
@@ -390,7 +431,7 @@ class PipelineStrategy(ParallelStrategy):
             self.lightning_module, cut, options.schedule, microbatches, pipeline, mesh.get_group("data_parallel"), ties,
             self.root_device, checkpointed_blocks(options.activation_checkpointing),
             amp_scaler=getattr(self.precision_plugin, "scaler", None), timeline=options.timeline,
-            check_data_every=options.check_data_every_n_batches,
+            check_data_every=options.check_data_every_n_batches, sharding=self._sharding,
         )
         assert isinstance(self.precision_plugin, PipelinePrecision)
         counted_once = {id(p) for group, params in ties for p in params if dist.get_rank(group) != 0}

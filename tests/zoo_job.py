@@ -28,6 +28,7 @@ from typing import Any, Optional
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelSummary
+from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -45,7 +46,7 @@ class Recorder(L.Callback):
 
     def on_train_start(self, trainer, pl_module):
         if self.initial is None:
-            self.initial = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
+            self.initial = plain(pl_module.state_dict())
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.steps.append({
@@ -57,6 +58,11 @@ class Recorder(L.Callback):
     def on_validation_end(self, trainer, pl_module):
         if not trainer.sanity_checking and "val_loss" in trainer.callback_metrics:
             self.val.append(float(trainer.callback_metrics["val_loss"]))
+
+
+def plain(state: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """A state dict with sharded (DTensor) values gathered: a collective, called on every rank in the same order."""
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu().clone() for k, v in state.items()}
 
 
 def run_phase(phase: dict[str, Any], devices: int) -> dict[str, Any]:
@@ -115,7 +121,8 @@ def run_phase(phase: dict[str, Any], devices: int) -> dict[str, Any]:
         steps=recorder.steps,
         val=recorder.val,
         initial=recorder.initial,
-        state_dict={k: v.detach().cpu().clone() for k, v in state.items()},
+        state_dict=plain(state),
+        local_numel=sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters()),
         tied=tied,
         callback_metrics={k: float(v) for k, v in trainer.callback_metrics.items()},
         global_step=trainer.global_step,

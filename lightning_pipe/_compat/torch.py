@@ -180,3 +180,109 @@ def schedule_stages(schedule: Any) -> Optional[list[Any]]:
     if hasattr(schedule, "_stage"):
         return [schedule._stage]
     return None
+
+
+# ---------------------------------------------------------------------------------------------- FSDP2 (fully_shard)
+# torch 2.13's public FSDP2 surface (`fully_shard`, `FSDPModule.unshard/reshard/set_*`) drives one backward per step.
+# A pipeline runs one backward per microbatch and learns the step's loss weights only after the last one (see
+# `_step/loss_weights.py`), so the strategy defers the reduce-scatter as torch's own `PipelineStage` does for an
+# `FSDPModule` (`perform_reduce_grad`: the `FSDPParamGroup.post_backward` of every group, then the root's final
+# callback), scales the accumulated unsharded gradients first, and keeps FSDP's forward hooks out of the runs on
+# ghosts (shape probes), which must not all-gather. Checked against torch 2.13, 2.14 and 2.15.
+
+
+def fsdp_state(unit: Any) -> Any:
+    """The ``FSDPState`` of a module ``fully_shard`` was applied to."""
+    from torch.distributed.fsdp import fully_shard
+
+    return fully_shard.state(unit)  # type: ignore[attr-defined]
+
+
+def fsdp_params(unit: Any) -> list[Any]:
+    """The ``FSDPParam`` objects of a unit (its sharded and unsharded parameters, and its accumulated gradients)."""
+    group = fsdp_state(unit)._fsdp_param_group
+    return list(group.fsdp_params) if group is not None else []
+
+
+def fsdp_sharded_params(unit: Any) -> list[torch.nn.Parameter]:
+    """The sharded parameters of a unit, whether it is sharded now or not (while unsharded, the module registers its
+    unsharded parameters instead)."""
+    return [p.sharded_param for p in fsdp_params(unit)]
+
+
+def fsdp_lazy_init(unit: Any) -> None:
+    """Initialise the unit as its own root now, as its first forward would."""
+    fsdp_state(unit)._lazy_init()
+
+
+def fsdp_remove_forward_hooks(unit: Any) -> None:
+    """Take FSDP's forward hooks off ``unit`` for good: the strategy unshards and reshards it itself (the modules
+    outside the backbone, which the step's code also runs on ghosts)."""
+    state = fsdp_state(unit)
+    for name in ("_pre_forward_hook_handle", "_post_forward_hook_handle"):
+        handle = getattr(state, name, None)
+        if handle is not None:
+            handle.remove()
+
+
+def fsdp_modules_in(module: torch.nn.Module) -> list[torch.nn.Module]:
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in module.modules() if isinstance(m, FSDPModule)]
+
+
+class fsdp_hooks_suspended:
+    """Within the block, FSDP's forward hooks of every sharded module under ``module`` do not run: a run on ghosts
+    (a shape probe) neither all-gathers nor swaps parameters. The hook tables are restored as they were."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+        self.saved: list[tuple[dict, dict]] = []
+
+    def __enter__(self) -> None:
+        for m in fsdp_modules_in(self.module):
+            for table in (m._forward_pre_hooks, m._forward_hooks):
+                state_hooks = [
+                    k for k, fn in table.items() if type(getattr(fn, "__self__", None)).__name__ == "FSDPState"
+                ]
+                if state_hooks:
+                    self.saved.append((table, dict(table)))
+                    for k in state_hooks:
+                        del table[k]
+
+    def __exit__(self, *exc: Any) -> None:
+        for table, before in reversed(self.saved):
+            table.clear()
+            table.update(before)
+        self.saved.clear()
+
+
+def fsdp_defer_reduction(unit: Any) -> None:
+    """Accumulate this step's microbatch gradients unsharded, with no reduce-scatter and no reshard in backward."""
+    unit.set_is_last_backward(False)
+    unit.set_reshard_after_backward(False)
+    unit.set_requires_gradient_sync(False)
+
+
+def fsdp_scale_unsharded_grads(unit: Any, scale: float) -> None:
+    """Multiply the unsharded gradients the unit accumulated this step by ``scale`` (before they are reduced)."""
+    grads = []
+    for p in fsdp_params(unit):
+        if p.unsharded_accumulated_grad is not None:
+            grads.append(p.unsharded_accumulated_grad)
+        if hasattr(p, "_unsharded_param") and p.unsharded_param.grad is not None:
+            grads.append(p.unsharded_param.grad)
+    if grads:
+        torch._foreach_mul_(grads, scale)
+
+
+def fsdp_reduce_now(unit: Any) -> None:
+    """Reduce-scatter (and, for HSDP, all-reduce) the accumulated gradients into the sharded ``.grad`` and reshard,
+    as ``PipelineStage.perform_reduce_grad`` does for an ``FSDPModule``."""
+    unit.set_is_last_backward(True)
+    unit.set_reshard_after_backward(True)
+    unit.set_requires_gradient_sync(True)
+    state = fsdp_state(unit)
+    for group in state._fsdp_param_groups:
+        group.post_backward()
+    state._root_post_backward_final_callback()

@@ -15,6 +15,8 @@ from lightning_pipe.schedules import ScheduleSpec, schedule_spec
 from lightning_pipe.timeline import TimelineOptions
 
 Size = Union[int, Literal["auto"]]
+DataParallel = Literal["ddp", "fsdp", "hsdp"]
+DATA_PARALLEL_MODES = ("ddp", "fsdp", "hsdp")
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,9 @@ class PipelineOptions:
     timeline: Optional[TimelineOptions]
     stall_timeout: Optional[float]  # seconds
     check_data_every_n_batches: Optional[int]
+    data_parallel: str = "ddp"
+    data_parallel_shard_size: Size = "auto"
+    reshard_after_forward: bool = False
 
 
 def validated_options(
@@ -50,6 +55,9 @@ def validated_options(
     timeline: Any,
     stall_timeout: Any = None,
     check_data_every_n_batches: Any = None,
+    data_parallel: Any = "ddp",
+    data_parallel_shard_size: Any = "auto",
+    reshard_after_forward: Any = False,
 ) -> PipelineOptions:
     """Check the constructor's arguments (raising ``ValueError`` that names the fix) and resolve ``"auto"`` where
     it does not depend on the processes."""
@@ -58,6 +66,7 @@ def validated_options(
         ("data_parallel_size", data_parallel_size),
         ("num_microbatches", num_microbatches),
         ("stages_per_rank", stages_per_rank),
+        ("data_parallel_shard_size", data_parallel_shard_size),
     ):
         if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"`PipelineStrategy({name}={value!r})` must be a positive integer or 'auto'.")
@@ -92,7 +101,26 @@ def validated_options(
             f"`PipelineStrategy(check_data_every_n_batches={every!r})` must be a positive integer, or None to turn the"
             " check off."
         )
+    if data_parallel not in DATA_PARALLEL_MODES:
+        raise ValueError(
+            f"`PipelineStrategy(data_parallel={data_parallel!r})` is unknown. Use 'ddp' (each stage replicated over its"
+            " replicas), 'fsdp' (each stage sharded over them) or 'hsdp' (sharded within groups of"
+            " `data_parallel_shard_size` replicas, replicated across the groups)."
+        )
+    if data_parallel != "hsdp" and data_parallel_shard_size != "auto":
+        raise ValueError(
+            f"`PipelineStrategy(data_parallel_shard_size={data_parallel_shard_size})` applies to"
+            f" `data_parallel='hsdp'` only (got {data_parallel!r}). Set `data_parallel='hsdp'`, or drop the argument."
+        )
+    if not isinstance(reshard_after_forward, bool):
+        raise ValueError(f"`PipelineStrategy(reshard_after_forward={reshard_after_forward!r})` must be True or False.")
+    if reshard_after_forward and data_parallel == "ddp":
+        raise ValueError(
+            "`PipelineStrategy(reshard_after_forward=True)` applies to sharded stages only. Set"
+            " `data_parallel='fsdp'` or 'hsdp', or drop the argument."
+        )
     return PipelineOptions(
         pipeline_parallel_size, data_parallel_size, num_microbatches, spec, stages_per_rank, backbone, balance,
-        activation_checkpointing, TimelineOptions.resolve(timeline), seconds, every,
+        activation_checkpointing, TimelineOptions.resolve(timeline), seconds, every, data_parallel,
+        data_parallel_shard_size, reshard_after_forward,
     )

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.plugins.precision import Precision
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_pipe._subclass import copy_with_mixin
@@ -49,7 +50,12 @@ class PipelinePrecision:
         counted = [p.grad for p in params if self._counted is None or self._counted(p)]
         device = params[0].device if params else _optimizer_device(optimizer)
         total = global_grad_norm(counted, self._pipeline_group, device)
-        torch.nn.utils.clip_grads_with_norm_(params, clip_val, total)
+        # As `clip_grads_with_norm_` does, on the local shards of sharded gradients (the norm is the global one).
+        coefficient = torch.clamp(clip_val / (total + 1e-6), max=1.0)
+        grads = [_local(p.grad) for p in params]
+        for kind in {(g.device, g.dtype) for g in grads}:
+            same = [g for g in grads if (g.device, g.dtype) == kind]
+            torch._foreach_mul_(same, coefficient.to(kind[0]))
 
     def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
         scaler = getattr(self, "scaler", None)
@@ -76,10 +82,17 @@ def global_grad_norm(
     grads: list[torch.Tensor], group: Optional[dist.ProcessGroup], device: torch.device, norm_type: float = 2.0
 ) -> torch.Tensor:
     """The ``norm_type`` norm of all gradients of the pipeline, given this rank's share of them."""
-    if grads:
-        local = torch.nn.utils.get_total_norm(grads, norm_type=norm_type).float()
-    else:
+    sharded = [g for g in grads if isinstance(g, DTensor)]
+    plain = [g for g in grads if not isinstance(g, DTensor)]
+    parts = [torch.nn.utils.get_total_norm(plain, norm_type=norm_type).float()] if plain else []
+    if sharded:  # the norm over every shard of this rank's stages: a collective over their replicas
+        parts.append(torch.nn.utils.get_total_norm(sharded, norm_type=norm_type).full_tensor().float().to(device))
+    if not parts:
         local = torch.zeros((), dtype=torch.float32, device=device)
+    elif len(parts) == 1:
+        local = parts[0]
+    else:
+        local = torch.linalg.vector_norm(torch.stack(parts), ord=norm_type)
     if group is None or dist.get_world_size(group) == 1:
         return local
     if norm_type == float("inf"):
@@ -88,6 +101,10 @@ def global_grad_norm(
     powered = local**norm_type
     dist.all_reduce(powered, op=dist.ReduceOp.SUM, group=group)
     return powered ** (1.0 / norm_type)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _agree_on_overflow(optimizer: Optimizer) -> None:

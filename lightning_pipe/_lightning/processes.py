@@ -26,6 +26,12 @@ GRACE_S = 3.0
 MESH_DIMS = ("data_parallel", "pipeline_parallel")
 
 
+#: The dimensions of the mesh for ``data_parallel="hsdp"``: the replicas form a 2-D grid, each row one group of
+#: replicas that shard the stage (``"data_parallel_shard"``, consecutive ranks: one node), the rows replicating it
+#: (``"data_parallel_replicate"``); ``"data_parallel"`` is both, flattened.
+HSDP_DIMS = ("data_parallel_replicate", "data_parallel_shard", "pipeline_parallel")
+
+
 def pipeline_mesh(
     pipeline_parallel_size: Any,
     data_parallel_size: Any,
@@ -33,15 +39,44 @@ def pipeline_mesh(
     device_type: str,
     backend: Optional[str],
     timeout: Optional[timedelta],
+    data_parallel: str = "ddp",
+    shard_size: Any = "auto",
+    processes_per_node: int = 1,
 ) -> DeviceMesh:
-    """The 2-D mesh over every process, dimensions :data:`MESH_DIMS`, its ``"auto"`` sizes resolved against
+    """The mesh over every process, dimensions :data:`MESH_DIMS`, its ``"auto"`` sizes resolved against
     ``world_size``: each row (``mesh["pipeline_parallel"]``) is one pipeline, each column (``mesh["data_parallel"]``)
-    the replicas of one pipeline rank. Every sub-group gets ``timeout``."""
+    the replicas of one pipeline rank. With ``data_parallel="hsdp"`` the replicas are split further
+    (:data:`HSDP_DIMS`), and ``"data_parallel"`` is their flattened dimension. Every sub-group gets ``timeout``."""
     pp, dp = resolve_sizes(pipeline_parallel_size, data_parallel_size, world_size)
-    return init_device_mesh(
-        device_type, (dp, pp), mesh_dim_names=MESH_DIMS,
-        backend_override=mesh_group_options(dict(zip(MESH_DIMS, (dp, pp))), world_size, backend, timeout),
+    if data_parallel != "hsdp":
+        return init_device_mesh(
+            device_type, (dp, pp), mesh_dim_names=MESH_DIMS,
+            backend_override=mesh_group_options(dict(zip(MESH_DIMS, (dp, pp))), world_size, backend, timeout),
+        )
+    shard = hsdp_shard_size(shard_size, dp, processes_per_node)
+    sizes = (dp // shard, shard, pp)
+    mesh = init_device_mesh(
+        device_type, sizes, mesh_dim_names=HSDP_DIMS,
+        backend_override=mesh_group_options(dict(zip(HSDP_DIMS, sizes)), world_size, backend, timeout),
     )
+    flat = mesh_group_options({"data_parallel": dp}, world_size, backend, timeout).get("data_parallel")
+    mesh[HSDP_DIMS[:2]]._flatten("data_parallel", backend_override=flat)
+    return mesh
+
+
+def hsdp_shard_size(shard_size: Any, dp: int, processes_per_node: int) -> int:
+    """The replicas per sharding group: as given, or (``"auto"``) the processes of one node, which must divide the
+    replicas."""
+    shard = min(processes_per_node, dp) if shard_size == "auto" else shard_size
+    if dp % shard:
+        fits = max(d for d in range(1, dp + 1) if dp % d == 0 and d <= shard)
+        given = "'auto' (the processes per node)" if shard_size == "auto" else str(shard_size)
+        raise ValueError(
+            f"`PipelineStrategy(data_parallel='hsdp', data_parallel_shard_size={given})` shards each stage over groups"
+            f" of {shard} replicas, which does not divide the {dp} replicas (data_parallel_size). Pick a"
+            f" `data_parallel_shard_size` that divides {dp}, e.g. {fits}."
+        )
+    return shard
 
 
 def launched_processes(launcher: Any) -> list[Any]:

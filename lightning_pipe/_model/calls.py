@@ -158,6 +158,7 @@ class BlockRunners:
             for owner, name, kind in prefix_swaps
             for real in [getattr(owner, f"_{kind}s")[name]]
         ]
+        self._displaced: list[tuple[dict, str, Any]] = []  # what the stand-ins replaced, put back after
 
     def batch_size_of(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> int:
         """The batch size of a step's call: the first dimension of the first block's hidden state."""
@@ -210,12 +211,20 @@ class BlockRunners:
             self.current = None
 
     def _swap(self, ghost: bool) -> None:
+        """Put the stand-ins in (``ghost``) or what they displaced back. What is registered may no longer be the
+        tensor captured at setup: a sharded stage registers its unsharded parameters while unsharded."""
+        if not ghost:
+            for table, name, value in reversed(self._displaced):
+                table[name] = value
+            self._displaced = []
+            return
+        self._displaced = []
         for owner, name, kind, real, stand_in in self._swaps:
             table = getattr(owner, f"_{kind}s")
-            current, wanted = (real, stand_in) if ghost else (stand_in, real)
-            if table.get(name) is not current:  # registered under another name since (pruning's `weight_orig`)
-                name = next((key for key, value in table.items() if value is current), name)
-            table[name] = wanted
+            if name not in table:  # registered under another name since (pruning's `weight_orig`)
+                name = next((key for key, value in table.items() if value is real), name)
+            self._displaced.append((table, name, table.get(name)))
+            table[name] = stand_in
 
 
 class _Capture(BlockCalls):

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from lightning_pipe._ghost import Ghost, ghost_of
 from lightning_pipe._lightning.summary import parameter_counts
@@ -157,6 +158,29 @@ class Cut:
                 seen.setdefault(id(reg.tensor), reg.tensor)  # type: ignore[arg-type]
         return list(seen.values())
 
+    def replace_parameters(self, new: dict[int, nn.Parameter]) -> None:
+        """Point every registration and name at the new parameter objects ``{id(old): new}`` (``fully_shard``
+        registers sharded parameters under the old names)."""
+        for reg in self.registrations:
+            if id(reg.tensor) in new:
+                reg.tensor = new[id(reg.tensor)]
+        first = {id(new[i]) if i in new else i: name for i, name in self.names.first_name.items()}
+        self.names = replace(self.names, first_name=first)
+        for ids in (self.structure.prefix_params, self.structure.post_params):
+            moved = {i for i in ids if i in new}
+            ids.difference_update(moved)
+            ids.update(id(new[i]) for i in moved)
+
+    def registered_parameters(self, stage: int) -> list[nn.Parameter]:
+        """The parameters a stage's modules register now: with sharded stages, the unsharded ones while unsharded."""
+        seen: dict[int, nn.Parameter] = {}
+        for reg in self.registrations:
+            if reg.kind == "parameter" and stage in reg.stages:
+                value = reg.table.get(reg.name)
+                if isinstance(value, nn.Parameter) and not isinstance(value, Ghost):
+                    seen.setdefault(id(value), value)
+        return list(seen.values())
+
     # ------------------------------------------------------------------------------------------------ the split
     def keep_only(self, rank: int, device: torch.device) -> None:
         """Turn every registration this rank does not hold into a ghost attribute (on ``device``), and let go of the
@@ -269,7 +293,9 @@ def connect_ties(
             if rank in members:
                 group = groups[members]
                 for name, source in shared:
-                    dist.broadcast(held[name].data, group_src=ranks.index(source), group=group)
+                    value = held[name].data
+                    value = value.to_local() if isinstance(value, DTensor) else value  # sharded alike on each rank
+                    dist.broadcast(value, group_src=ranks.index(source), group=group)
                 result.append((group, [held[name] for name, _ in shared]))
     log.debug("rank %d: %d tied parameter groups", rank, len(result))
     return result

@@ -34,23 +34,44 @@ def materialize_local(module: nn.Module, backbone: Backbone, device: torch.devic
     own uses ``global_seed() + len(backbone) + k``. A tensor shared by several modules (a tied head) keeps the value
     the first of them gives it.
     """
-    if not _has_meta(module):
-        return
-    seed = global_seed()
-    missing: set[str] = set()
-    initialised: set[int] = set()
+    materializer = Materializer(module, backbone, device)
     for index in range(len(backbone)):
-        _init_seeded(backbone.module(index), device, seed + index, missing, initialised)
-    inside = {id(m) for i in range(len(backbone)) for m in backbone.module(i).modules()}
-    owners = [m for m in module.modules() if id(m) not in inside and not isinstance(m, Metric) and _owns_tensors(m)]
-    for k, sub in enumerate(owners):
-        _init_seeded(sub, device, seed + len(backbone) + k, missing, initialised, recurse=False)
-    if missing:
-        raise TypeError(
-            f"The model was built on the meta device, but {sorted(missing)} define no `reset_parameters()`, so their"
-            " weights cannot be initialised after the split. Add a `reset_parameters()` that initialises the module's"
-            " own parameters and buffers, or build the model on a real device."
+        materializer.block(index)
+    materializer.rest()
+
+
+class Materializer:
+    """:func:`materialize_local` one block at a time: a sharded stage shards each block right after it is
+    initialised, so that no rank ever holds a whole stage (``_model/shard.py``). Call :meth:`block` for blocks in
+    increasing order, then :meth:`rest` once."""
+
+    def __init__(self, module: nn.Module, backbone: Backbone, device: torch.device) -> None:
+        self.module, self.backbone, self.device = module, backbone, device
+        self.seed = global_seed()
+        self.missing: set[str] = set()
+        self.initialised: set[int] = set()
+
+    def block(self, index: int) -> None:
+        _init_seeded(
+            self.backbone.module(index), self.device, self.seed + index, self.missing, self.initialised
         )
+
+    def rest(self) -> None:
+        module, backbone = self.module, self.backbone
+        if _has_meta(module):
+            inside = {id(m) for i in range(len(backbone)) for m in backbone.module(i).modules()}
+            owners = [
+                m for m in module.modules() if id(m) not in inside and not isinstance(m, Metric) and _owns_tensors(m)
+            ]
+            for k, sub in enumerate(owners):
+                _init_seeded(sub, self.device, self.seed + len(backbone) + k, self.missing, self.initialised,
+                             recurse=False)
+        if self.missing:
+            raise TypeError(
+                f"The model was built on the meta device, but {sorted(self.missing)} define no `reset_parameters()`,"
+                " so their weights cannot be initialised after the split. Add a `reset_parameters()` that initialises"
+                " the module's own parameters and buffers, or build the model on a real device."
+            )
 
 
 def _init_seeded(

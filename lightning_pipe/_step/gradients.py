@@ -4,11 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+
+if TYPE_CHECKING:
+    from lightning_pipe._model.shard import StageSharding
 
 
 class Gradients:
@@ -24,6 +28,9 @@ class Gradients:
         replica_group: the data-parallel replicas of this rank (``None`` with one): gradients are averaged over it.
         tie_groups: ``(group, parameters)`` for the parameters this rank shares with other ranks of its pipeline
             (tied or reused): their gradients are summed over the group.
+        sharding: this rank's FSDP units, when the stages are sharded: their gradients accumulate unsharded during
+            the schedule and are reduce-scattered by :meth:`synchronise` ([Note: sharded stages]); the parameters
+            outside every unit are averaged as replicated ones.
     """
 
     def __init__(
@@ -31,13 +38,18 @@ class Gradients:
         module: nn.Module,
         replica_group: Optional[dist.ProcessGroup] = None,
         tie_groups: Sequence[tuple[dist.ProcessGroup, list[nn.Parameter]]] = (),
+        sharding: Optional[StageSharding] = None,
     ) -> None:
         self.module = module
         self.replica_group = replica_group
         self.tie_groups = list(tie_groups)
+        self.sharding = sharding
         self._pending: Optional[list[tuple[nn.Parameter, Tensor]]] = None
 
     def trainable(self) -> list[nn.Parameter]:
+        """The parameters that require a gradient now, as the optimizers hold them (sharded ones sharded)."""
+        if self.sharding is not None:
+            return self.sharding.trainable()
         return [p for p in self.module.parameters() if p.requires_grad]
 
     @contextmanager
@@ -48,6 +60,8 @@ class Gradients:
         previous = [p.grad for p in params]
         for p in params:
             p.grad = None
+        if self.sharding is not None:
+            self.sharding.before_step()
         try:
             yield
         finally:
@@ -63,6 +77,8 @@ class Gradients:
             torch._foreach_mul_(list(kept.values()), scale)
         if self.replica_group is not None and kept:
             _all_reduce(list(kept.values()), self.replica_group, average=True)
+        if self.sharding is not None:
+            kept.update(self._reduce_sharded(scale))
         for group, shared in self.tie_groups:
             # Every copy takes part (the same sizes on every rank); a frozen copy gets its gradient dropped after.
             grads = [kept.get(p) if p in kept else torch.zeros_like(p) for p in shared]
@@ -73,6 +89,21 @@ class Gradients:
                 else:
                     kept.pop(p, None)
         self._pending = list(kept.items())
+
+    def _reduce_sharded(self, scale: float) -> dict[nn.Parameter, Tensor]:
+        """Scale and reduce-scatter the units' accumulated gradients; returns the sharded gradients, leaving the
+        earlier (accumulated) ``.grad`` in place."""
+        assert self.sharding is not None
+        params = self.sharding.sharded_params()
+        previous = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        try:
+            self.sharding.reduce(scale)
+            return {p: p.grad for p in params if p.grad is not None}
+        finally:
+            for p, grad in zip(params, previous):
+                p.grad = grad
 
     def hand_back(self) -> None:
         """Add the kept gradients to ``.grad`` (called by ``Strategy.backward``, after ``zero_grad``)."""
@@ -91,6 +122,7 @@ def _all_reduce(tensors: list[Tensor], group: dist.ProcessGroup, average: bool) 
     """Sum (or average) ``tensors`` in place over ``group``, one flat buffer per dtype and device."""
     by_kind: dict[tuple, list[Tensor]] = {}
     for t in tensors:
+        t = t.to_local() if isinstance(t, DTensor) else t  # a shard: the same shard on every rank of a tie group
         by_kind.setdefault((t.dtype, t.device), []).append(t)
     size = dist.get_world_size(group)
     for group_tensors in by_kind.values():

@@ -66,11 +66,22 @@ class StageModule(nn.Module):
     backbone) so that torch computes their gradients in zero-bubble schedules; they stay the user's own objects.
     """
 
-    def __init__(self, program: StepProgram, stage: int, params: list[nn.Parameter]) -> None:
+    def __init__(
+        self, program: StepProgram, stage: int, params: list[nn.Parameter],
+        current: Optional[Callable[[], list[nn.Parameter]]] = None,
+    ) -> None:
         super().__init__()
         self.params = nn.ParameterList(params)
         self.stage = stage
         object.__setattr__(self, "_program", program)
+        object.__setattr__(self, "_current", current)
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:  # type: ignore[override]
+        """The stage's parameters as its forward uses them: with sharded stages (``current``), the unsharded ones
+        the modules register while unsharded (the zero-bubble schedules compute weight gradients for them)."""
+        if self._current is not None:
+            return iter(self._current())
+        return super().parameters(recurse)
 
     def forward(self, *inputs: torch.Tensor, lp_rows: torch.Tensor) -> torch.Tensor:
         received = inputs[0] if self.stage > 0 else None

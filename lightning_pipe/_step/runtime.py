@@ -27,8 +27,10 @@ A training batch, from Lightning's loop to the optimizer step:
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, Callable, Optional
 
 import torch
@@ -39,6 +41,7 @@ from torch import Tensor, nn
 
 from lightning_pipe import _watchdog
 from lightning_pipe import timeline as _timeline
+from lightning_pipe._compat.torch import fsdp_hooks_suspended
 from lightning_pipe._errors import BackboneCallError, not_computed_by_last_stage
 from lightning_pipe._fingerprint import differs, fingerprint
 from lightning_pipe._ghost import Ghost, GhostValueError, contains_ghost
@@ -47,6 +50,7 @@ from lightning_pipe._lightning.log import LogChannel, LogRecorder, replay
 from lightning_pipe._lightning.metrics import metrics_set_aside, module_metrics, per_batch_metrics
 from lightning_pipe._model.calls import loss_of
 from lightning_pipe._model.cut import Cut
+from lightning_pipe._model.shard import StageSharding
 from lightning_pipe._model.structure import everything_ghosted
 from lightning_pipe._model.untouched import untouched
 from lightning_pipe._step.gradients import Gradients
@@ -77,6 +81,7 @@ class PipelineRuntime:
         timeline: what ``timeline=`` traces, or ``None``.
         check_data_every: compare the batch's fingerprint over the pipeline on the first 3 batches of training and
             of evaluation, and on every ``check_data_every``-th after (:meth:`_check_same_data`); ``None``: never.
+        sharding: this rank's FSDP units when the stages are sharded over their replicas ([Note: sharded stages]).
     """
 
     def __init__(
@@ -93,8 +98,10 @@ class PipelineRuntime:
         amp_scaler: Any = None,
         timeline: Optional[_timeline.TimelineOptions] = None,
         check_data_every: Optional[int] = None,
+        sharding: Optional[StageSharding] = None,
     ) -> None:
         self.module = module
+        self.sharding = sharding
         self.check_data_every = check_data_every
         self._batches_checked = {"training": 0, "evaluation": 0}
         self.cut = cut
@@ -110,7 +117,12 @@ class PipelineRuntime:
         self.program = StepProgram(
             module, cut.backbone, cut.structure, bounds, cut.prefix_swaps(rank), device, checkpointed
         )
-        stage_modules = {s: StageModule(self.program, s, cut.stage_parameters(s)) for s in bounds}
+        if sharding is None:
+            stage_modules = {s: StageModule(self.program, s, cut.stage_parameters(s)) for s in bounds}
+        else:  # torch computes weight gradients for the parameters the forward used: the unsharded ones
+            stage_modules = {
+                s: StageModule(self.program, s, [], functools.partial(cut.registered_parameters, s)) for s in bounds
+            }
         self.pipeline = StagePipeline(
             stage_modules, layout, schedule, microbatches.nominal, pp_group, device, self._probe
         )
@@ -118,7 +130,7 @@ class PipelineRuntime:
         channel = (pp_group, self.pipeline.last_stage_rank, layout.pipeline_size, device)
         self._train_channel, self._eval_channel = LogChannel(*channel), LogChannel(*channel)
         replicas = dp_group if dist.get_world_size(dp_group) > 1 else None
-        self.gradients = Gradients(module, replicas, tie_groups)
+        self.gradients = Gradients(module, replicas, tie_groups, sharding)
         self._timeline_done = False
         self._trainable_checked: Optional[int] = None
         self._mean_warned = False
@@ -193,7 +205,7 @@ class PipelineRuntime:
         self._check_same_data("evaluation", batch, rest, kwargs)
         batch_size = program.batch_size_of(step, *args, **kwargs)
         num_microbatches = self.microbatches.for_batch(batch_size)
-        with program.holding(step, batch, batch_size, *rest, **kwargs):
+        with program.holding(step, batch, batch_size, *rest, **kwargs), self._unsharded():
             sample = program.sub_batch(torch.arange(batch_size // num_microbatches))
             output = pipeline.eval_step(sample, batch_size, num_microbatches)
         payload = None
@@ -211,6 +223,20 @@ class PipelineRuntime:
         return apply_to_collection(result, Tensor, lambda t: t.to(self.device))
 
     # ------------------------------------------------------------------------------------------------ helpers
+    @contextmanager
+    def _unsharded(self) -> Iterator[None]:
+        """For an evaluation batch of sharded stages: the outside unit unsharded (it has no forward hooks), and every
+        unit resharded after."""
+        if self.sharding is None:
+            yield
+            return
+        if self.sharding.outside is not None:
+            self.sharding.outside.unshard()
+        try:
+            yield
+        finally:
+            self.sharding.reshard()
+
     def _probe(self, stage: int, rows: Tensor, received: Optional[tuple]) -> tuple:
         """The output ``(shape, dtype)`` of ``stage`` on the microbatch ``rows``, for an input of ``received``'s.
 
@@ -221,7 +247,8 @@ class PipelineRuntime:
         ghost_in = None
         if received is not None:
             ghost_in = Ghost(torch.empty(received[0], dtype=received[1], device="meta"), self.device)
-        with torch.no_grad(), everything_ghosted(module, self.device), metrics_set_aside(module_metrics(module)):
+        with torch.no_grad(), everything_ghosted(module, self.device), metrics_set_aside(module_metrics(module)), \
+                fsdp_hooks_suspended(module):
             try:
                 out = program.run_stage(stage, rows, ghost_in, probing=True)
                 return tuple(out.shape), out.dtype

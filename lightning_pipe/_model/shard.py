@@ -1,0 +1,261 @@
+"""Sharding this rank's stages over their data-parallel replicas with torch's FSDP2 (``data_parallel="fsdp"|"hsdp"``).
+
+[Note: sharded stages]
+Every backbone block of this rank's stages is one ``fully_shard`` unit, and the modules outside the backbone that
+this rank holds (an embedding on the first stage; a norm and head on the last) are one more, as torchtitan shards a
+pipelined model. Each unit's parameters, gradients and optimizer state are split over the replicas of its pipeline
+rank (``mesh["data_parallel"]``; with HSDP, over ``data_parallel_shard`` and replicated over
+``data_parallel_replicate``).
+
+- Block units keep FSDP's forward hooks: a block all-gathers before its first forward of a step and, unless
+  ``reshard_after_forward=True``, stays unsharded until the step's gradients are reduced (no all-gather per
+  microbatch). The strategy suspends the hooks while a stage runs on ghosts to learn its shapes
+  (:class:`~lightning_pipe._compat.torch.fsdp_hooks_suspended`).
+- The outside unit has no forward hooks: the step's own code runs those modules on ghosts on the other stages and
+  to learn the batch size, so the strategy unshards the unit before each step and reshards it after.
+- Gradients of every microbatch accumulate unsharded; after the schedule they are scaled by the step's loss weights
+  ([Note: token-weighted losses]: one replica's own, so before the replicas are averaged) and reduce-scattered,
+  unit by unit (``_step/gradients.py``), as torch's ``PipelineStage.perform_reduce_grad`` does. This reduction runs
+  after the schedule, not under the last backward: the weights are known only once the last microbatch's loss ran.
+- A parameter outside any unit (one registered on the LightningModule itself) stays replicated and is averaged
+  over the replicas as in the replicated mode.
+- From the meta device, each block is materialised (with the seed that gives the unsplit model's values) and sharded
+  before the next one: no rank ever holds its whole stage.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from lightning_pipe._compat.torch import (
+    fsdp_defer_reduction,
+    fsdp_lazy_init,
+    fsdp_reduce_now,
+    fsdp_remove_forward_hooks,
+    fsdp_scale_unsharded_grads,
+    fsdp_sharded_params,
+)
+from lightning_pipe._ghost import Ghost
+from lightning_pipe._model.cut import Cut
+from lightning_pipe._model.materialize import Materializer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ShardingOptions:
+    """How the stages are sharded: ``reshard_after_forward`` as ``fully_shard`` takes it, and the precision policy
+    (``bf16-mixed``: parameters all-gathered in bf16, gradients reduced in fp32)."""
+
+    reshard_after_forward: bool = False
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy()
+
+
+class StageSharding:
+    """This rank's FSDP units and the per-step calls the runtime makes on them (see [Note: sharded stages])."""
+
+    def __init__(self, blocks: list[nn.Module], outside: Optional[nn.Module], module: nn.Module) -> None:
+        self.blocks = blocks
+        self.outside = outside
+        self.units = blocks + ([outside] if outside is not None else [])
+        self.module = module
+        self._sharded = {id(p) for unit in self.units for p in fsdp_sharded_params(unit)}
+
+    def sharded_params(self) -> list[nn.Parameter]:
+        return [p for unit in self.units for p in fsdp_sharded_params(unit)]
+
+    def loose_params(self) -> list[nn.Parameter]:
+        """The module's parameters outside every unit (replicated, averaged over the replicas)."""
+        return [p for p in self.module.parameters() if id(p) not in self._sharded and not isinstance(p, Ghost)]
+
+    def trainable(self) -> list[nn.Parameter]:
+        """The parameters the optimizers hold (sharded ones as sharded, whatever the units' state) that require
+        gradients."""
+        return [p for p in self.sharded_params() + self.loose_params() if p.requires_grad]
+
+    def before_step(self) -> None:
+        """Unshard the outside unit (it has no forward hooks) and let every unit accumulate this step's gradients
+        unsharded."""
+        if self.outside is not None:
+            self.outside.unshard()
+        for unit in self.units:
+            fsdp_defer_reduction(unit)
+
+    def reduce(self, scale: float) -> None:
+        """Scale the accumulated unsharded gradients by ``scale`` and reduce them into the sharded ``.grad``."""
+        for unit in reversed(self.units):
+            if scale != 1.0:
+                fsdp_scale_unsharded_grads(unit, scale)
+            fsdp_reduce_now(unit)
+
+    def reshard(self) -> None:
+        """Free the unsharded parameters (after an evaluation batch)."""
+        for unit in self.units:
+            unit.reshard()
+
+
+def outside_modules(module: nn.Module, blocks: set[int], around: set[int], local: set[int]) -> list[nn.Module]:
+    """The outermost modules that contain no backbone block and hold some of this rank's parameters ``local`` (by
+    id), in module order; ``blocks``: the ids of the backbone blocks, ``around``: of the modules that contain one."""
+    found: list[nn.Module] = []
+
+    def walk(m: nn.Module) -> None:
+        for child in m.children():
+            if id(child) in blocks:
+                continue
+            if id(child) in around:
+                walk(child)
+            elif any(id(p) in local for p in child.parameters()):
+                found.append(child)
+
+    walk(module)
+    return found
+
+
+def shard_stage(
+    module: nn.Module,
+    cut: Cut,
+    pipeline_rank: int,
+    mesh: DeviceMesh,
+    options: ShardingOptions,
+    device: torch.device,
+    prepare: Callable[[nn.Module], Any],
+) -> StageSharding:
+    """Materialise (from the meta device), prepare (dtype, device) and ``fully_shard`` this rank's units one by one,
+    then the outside unit (see [Note: sharded stages]). Updates ``cut`` to the sharded parameters."""
+    backbone, layout = cut.backbone, cut.layout
+    indices = [i for s in layout.rank_stages(pipeline_rank) for i in range(*layout.bounds[s])]
+    materializer = Materializer(module, backbone, device)
+    local = {id(r.tensor) for r in cut.held(pipeline_rank) if r.kind == "parameter"}
+    block_ids = {id(backbone.module(i)) for i in range(len(backbone))}
+    around: set[int] = set()
+    for path in backbone.paths:
+        owner: Optional[nn.Module] = module
+        for part in path.split("."):
+            around.add(id(owner))
+            owner = getattr(owner, part, None)
+            if owner is None:
+                break
+        if owner is not None:
+            around.add(id(owner))
+    blocks = [backbone.module(i) for i in indices]
+    outside = outside_modules(module, block_ids, around, local)
+    _refuse_shared_across_units(blocks, outside, backbone, indices)
+    before = [(name, p) for name, p in module.named_parameters(remove_duplicate=False) if not isinstance(p, Ghost)]
+    kwargs = dict(mesh=mesh, reshard_after_forward=options.reshard_after_forward, mp_policy=options.mp_policy)
+    units: list[nn.Module] = []
+    for index, block in zip(indices, blocks):
+        materializer.block(index)
+        prepare(block)
+        if any(True for _ in block.parameters()):
+            fully_shard(block, **kwargs)
+            units.append(block)
+    materializer.rest()
+    outside_unit: Optional[nn.Module] = None
+    for m in outside:
+        prepare(m)
+    if outside:
+        fully_shard(outside if len(outside) > 1 else outside[0], **kwargs)
+        outside_unit = outside[0]
+        fsdp_remove_forward_hooks(outside_unit)
+    for unit in units + ([outside_unit] if outside_unit is not None else []):
+        fsdp_lazy_init(unit)
+        # The unsharded parameters are allocated by the first all-gather: here, not under the inference mode of a
+        # first validation (inference tensors cannot be trained later).
+        unit.unshard()
+        unit.reshard()
+    sharding = StageSharding(units, outside_unit, module)
+    after = dict(module.named_parameters(remove_duplicate=False))
+    cut.replace_parameters({id(p): after[name] for name, p in before if name in after and after[name] is not p})
+    log.debug(
+        "pipeline rank %d: %d block units and %s outside unit (%s) sharded over %s",
+        pipeline_rank, len(units), "one" if outside_unit is not None else "no",
+        [type(m).__name__ for m in outside], mesh,
+    )
+    return sharding
+
+
+def _refuse_shared_across_units(
+    blocks: list[nn.Module], outside: list[nn.Module], backbone: Any, indices: list[int]
+) -> None:
+    """FSDP shards a parameter in one unit only: a parameter used by two blocks, or by a block and a module outside
+    the backbone, cannot be sharded."""
+    seen: dict[int, str] = {}
+    named = [(backbone.blocks[i].name, b) for i, b in zip(indices, blocks)] + [
+        (type(m).__name__, m) for m in outside
+    ]
+    for name, unit in named:
+        for p in unit.parameters():
+            other = seen.setdefault(id(p), name)
+            if other != name:
+                raise ValueError(
+                    f"`PipelineStrategy(data_parallel='fsdp')` shards each backbone block, and the modules outside the"
+                    f" backbone, as separate FSDP units, but `{other}` and `{name}` share a parameter on this stage."
+                    " FSDP cannot shard one parameter in two units. Use `data_parallel='ddp'`, or untie the"
+                    " parameter, or pipeline so that the two end up on different stages."
+                )
+
+
+def refuse_user_sharding(module: nn.Module) -> None:
+    """The strategy places and shards the stages itself: a model the user already wrapped or sharded (``fully_shard``
+    or ``parallelize_module`` in ``configure_model``, a ``DistributedDataParallel`` inside) cannot be cut again."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+    from torch.nn.parallel import DistributedDataParallel
+
+    for name, sub in module.named_modules():
+        if isinstance(sub, FSDPModule):
+            raise ValueError(
+                f"`{name or type(module).__name__}` was sharded with `fully_shard` before `PipelineStrategy` cut the"
+                " model into stages. The strategy shards each stage itself: remove the `fully_shard` calls (e.g. from"
+                " `configure_model`) and pass `PipelineStrategy(data_parallel='fsdp')`, or 'hsdp' to shard within"
+                " groups of replicas."
+            )
+        if isinstance(sub, DistributedDataParallel):
+            raise ValueError(
+                f"`{name}` is wrapped in `DistributedDataParallel`. `PipelineStrategy` replicates (or shards) each"
+                " stage over its replicas itself: remove the wrapper and choose `PipelineStrategy(data_parallel='ddp')`"
+                " (the default) or 'fsdp'."
+            )
+    for name, param in module.named_parameters():
+        if isinstance(param, DTensor):
+            raise ValueError(
+                f"`{name}` is already a DTensor (distributed with `parallelize_module` or `distribute_tensor` before"
+                " the pipeline cut). `PipelineStrategy` does not apply a tensor-parallel plan of the model's own yet:"
+                " build the model unsplit, and use `PipelineStrategy(data_parallel='fsdp')` to shard the stages."
+            )
+
+
+def refuse_unshardable(mode: str, precision_plugin: Any, callbacks: list[Any]) -> None:
+    """What sharded stages cannot honour, refused at setup on every rank with the fix (as Lightning's
+    ``FSDPStrategy`` refuses what it cannot shard)."""
+    from lightning.pytorch.callbacks import ModelPruning, StochasticWeightAveraging
+
+    try:
+        from lightning.pytorch.callbacks import WeightAveraging
+    except ImportError:  # Lightning < 2.6
+        WeightAveraging = StochasticWeightAveraging
+    precision = getattr(precision_plugin, "precision", None)
+    if precision == "16-mixed":
+        raise ValueError(
+            f"`Trainer(precision='16-mixed')` with `PipelineStrategy(data_parallel={mode!r})`: fp16 loss scaling needs"
+            " every rank to see its whole gradient to find overflows, and sharded stages reduce-scatter theirs. Use"
+            " `precision='bf16-mixed'` (no scaler needed; parameters are all-gathered in bf16 and gradients reduced in"
+            " fp32), or `data_parallel='ddp'` to keep '16-mixed'."
+        )
+    for callback in callbacks:
+        if isinstance(callback, (StochasticWeightAveraging, WeightAveraging, ModelPruning)):
+            name = type(callback).__name__
+            raise ValueError(
+                f"`{name}` with `PipelineStrategy(data_parallel={mode!r})`: it keeps or rewrites whole parameter"
+                " tensors of the module (an averaged copy, or pruning masks and reparametrisations), which sharded"
+                " stages hold as shards that FSDP swaps in and out. Lightning's `FSDPStrategy` does not support it"
+                f" either. Use `data_parallel='ddp'` to keep `{name}`."
+            )
