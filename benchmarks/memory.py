@@ -1,6 +1,7 @@
 """Peak host memory per rank when a model is built on the meta device, and the cost of activation checkpointing.
 
     python benchmarks/memory.py            # runs every measurement and prints a table
+    python benchmarks/memory.py --sharded  # part 4 only
 
 Part 1 builds a ~600 MB (fp32) MLP-block model with ``trainer.init_module(empty_init=True)`` and runs one
 training step with ``PipelineStrategy`` on 1, 2 and 4 CPU processes; each rank reports its peak resident set
@@ -9,6 +10,10 @@ size (``ru_maxrss``). Only the local stage is ever allocated, so the per-rank pe
 Part 2 trains the same kind of model on 2 processes with and without ``activation_checkpointing=True`` and
 reports, per rank, the bytes of activations autograd kept for backward (a saved-tensor hook counts them: a
 deterministic stand-in for peak activation memory on CPU) and the median step time.
+
+Part 4 shards the stages over their replicas: the ~600 MB model on meta, 4 CPU processes, one AdamW step, as
+pp2 x ddp2 (replicated stages), pp2 x fsdp2 (sharded) and pp1 x fsdp4; each rank reports the bytes it holds of
+parameters, gradients (at the optimizer step) and optimizer state (after it), and its peak RSS.
 
 Part 3 is a GPT whose embedding and head are large (vocabulary 65536 x 512, 4 blocks of 512), built the usual way
 (blocks in an ``nn.ModuleList`` run in a loop, embedding and head outside them), on meta, with and without the head
@@ -59,6 +64,8 @@ class Model(L.LightningModule):
         return F.mse_loss(self.backbone(x).squeeze(-1), y)
 
     def configure_optimizers(self):
+        if getattr(self, "adamw", False):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
         return torch.optim.SGD(self.parameters(), lr=1e-3)
 
 
@@ -105,6 +112,17 @@ class Probe(L.Callback):
         if self.count_saved:
             self.hooks.__exit__(None, None, None)
         self.times.append(time.perf_counter() - self.t0)
+        optimizer = trainer.optimizers[0]
+        self.state_bytes = sum(_bytes(v) for s in optimizer.state.values() for v in s.values() if v.dim() > 0)
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.grad_bytes = sum(_bytes(p.grad) for p in pl_module.parameters() if p.grad is not None)
+
+
+def _bytes(t: torch.Tensor) -> int:
+    """The bytes this rank holds of ``t`` (its shard of a sharded tensor)."""
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return local.numel() * local.element_size()
 
 
 def worker(args: dict) -> None:
@@ -118,16 +136,21 @@ def worker(args: dict) -> None:
     trainer = L.Trainer(
         accelerator="cpu", devices=args["devices"], max_steps=args["steps"], logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, callbacks=[probe],
-        strategy=PipelineStrategy(num_microbatches=4, activation_checkpointing=args["ac"]),
+        strategy=PipelineStrategy(
+            num_microbatches=4, activation_checkpointing=args["ac"], data_parallel=args.get("data_parallel", "ddp"),
+            pipeline_parallel_size=args.get("pp", "auto"),
+        ),
     )
     with trainer.init_module(empty_init=True):
         if args.get("vocab"):
             model: L.LightningModule = GPT(args["vocab"], args["dim"], args["blocks"], args["tied"])
         else:
             model = Model(args["dim"], args["blocks"])
+    model.adamw = args.get("adamw", False)
     trainer.fit(model, DataLoader(data, batch_size=args["batch"]))
-    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    params = sum(_bytes(p) for p in model.parameters())
     out = {
+        "grads_mb": getattr(probe, "grad_bytes", 0) / 2**20, "state_mb": getattr(probe, "state_bytes", 0) / 2**20,
         "rank": trainer.global_rank, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "local_params_mb": params / 2**20, "saved_mb": max(probe.saved, default=0) / 2**20,
         "step_s": statistics.median(probe.times[1:]) if len(probe.times) > 1 else probe.times[0],
@@ -147,7 +170,20 @@ def run(
     return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(devices)]
 
 
+def sharded() -> None:
+    print("Part 4: stages sharded over their replicas, the ~600 MB model on meta, 4 processes, one AdamW step")
+    print(f"{'layout':>11} {'rank':>4} {'params MB':>10} {'grads MB':>9} {'AdamW state MB':>15} {'peak RSS MB':>12}")
+    for label, pp, mode in (("pp2 x ddp2", 2, "ddp"), ("pp2 x fsdp2", 2, "fsdp"), ("pp1 x fsdp4", 1, "fsdp")):
+        for r in run(4, dim=1024, blocks=18, ac=False, count_saved=False, steps=1, seq=8, batch=8, pp=pp,
+                     data_parallel=mode, adamw=True):
+            print(f"{label:>11} {r['rank']:>4} {r['local_params_mb']:>10.0f} {r['grads_mb']:>9.0f}"
+                  f" {r['state_mb']:>15.0f} {r['peak_rss_mb']:>12.0f}")
+
+
 def main() -> None:
+    if "--sharded" in sys.argv:  # part 4 only
+        sys.argv.remove("--sharded")
+        return sharded()
     print("Part 1: model built on meta, ~600 MB of fp32 parameters, one step")
     print(f"{'processes':>9} {'rank':>4} {'local params MB':>16} {'peak RSS MB':>12}")
     for devices in (1, 2, 4):
@@ -168,6 +204,8 @@ def main() -> None:
             for r in run(devices, dim=512, blocks=4, ac=False, count_saved=False, steps=1, seq=32, batch=8, **gpt):
                 label = "tied" if tied else "own"
                 print(f"{label:>6} {devices:>9} {r['rank']:>4} {r['local_params_mb']:>16.0f} {r['peak_rss_mb']:>12.0f}")
+    print()
+    sharded()
 
 
 if __name__ == "__main__":

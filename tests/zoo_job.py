@@ -127,7 +127,7 @@ def run_phase(phase: dict[str, Any], devices: int) -> dict[str, Any]:
         callback_metrics={k: float(v) for k, v in trainer.callback_metrics.items()},
         global_step=trainer.global_step,
         rank=trainer.global_rank,
-        layout=[list(b) for b in trainer.strategy.layout.bounds] if pipelined else None,
+        layout=[list(b) for b in trainer.strategy.layout.bounds] if pipelined and result["error"] is None else None,
     )
     return result
 

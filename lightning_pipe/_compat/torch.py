@@ -215,16 +215,6 @@ def fsdp_lazy_init(unit: Any) -> None:
     fsdp_state(unit)._lazy_init()
 
 
-def fsdp_remove_forward_hooks(unit: Any) -> None:
-    """Take FSDP's forward hooks off ``unit`` for good: the strategy unshards and reshards it itself (the modules
-    outside the backbone, which the step's code also runs on ghosts)."""
-    state = fsdp_state(unit)
-    for name in ("_pre_forward_hook_handle", "_post_forward_hook_handle"):
-        handle = getattr(state, name, None)
-        if handle is not None:
-            handle.remove()
-
-
 def fsdp_modules_in(module: torch.nn.Module) -> list[torch.nn.Module]:
     from torch.distributed.fsdp import FSDPModule
 

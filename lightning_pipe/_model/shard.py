@@ -11,8 +11,9 @@ rank (``mesh["data_parallel"]``; with HSDP, over ``data_parallel_shard`` and rep
   ``reshard_after_forward=True``, stays unsharded until the step's gradients are reduced (no all-gather per
   microbatch). The strategy suspends the hooks while a stage runs on ghosts to learn its shapes
   (:class:`~lightning_pipe._compat.torch.fsdp_hooks_suspended`).
-- The outside unit has no forward hooks: the step's own code runs those modules on ghosts on the other stages and
-  to learn the batch size, so the strategy unshards the unit before each step and reshards it after.
+- The outside unit is a module that holds those modules and is never called (:class:`OutsideModules`), so FSDP's
+  hooks never run for it: the step's own code runs those modules, on ghosts too (on the other stages, and to learn
+  the batch size). The strategy unshards it before each step and reshards it after.
 - Gradients of every microbatch accumulate unsharded; after the schedule they are scaled by the step's loss weights
   ([Note: token-weighted losses]: one replica's own, so before the replicas are averaged) and reduce-scattered,
   unit by unit (``_step/gradients.py``), as torch's ``PipelineStage.perform_reduce_grad`` does. This reduction runs
@@ -38,7 +39,6 @@ from lightning_pipe._compat.torch import (
     fsdp_defer_reduction,
     fsdp_lazy_init,
     fsdp_reduce_now,
-    fsdp_remove_forward_hooks,
     fsdp_scale_unsharded_grads,
     fsdp_sharded_params,
 )
@@ -61,19 +61,32 @@ class ShardingOptions:
 class StageSharding:
     """This rank's FSDP units and the per-step calls the runtime makes on them (see [Note: sharded stages])."""
 
-    def __init__(self, blocks: list[nn.Module], outside: Optional[nn.Module], module: nn.Module) -> None:
+    def __init__(
+        self, blocks: list[nn.Module], outside: Optional[nn.Module], module: nn.Module,
+        param_dtype: Optional[torch.dtype] = None,
+    ) -> None:
         self.blocks = blocks
+        self.param_dtype = param_dtype
         self.outside = outside
         self.units = blocks + ([outside] if outside is not None else [])
         self.module = module
-        self._sharded = {id(p) for unit in self.units for p in fsdp_sharded_params(unit)}
+        sharded = {id(p) for unit in self.units for p in fsdp_sharded_params(unit)}
+        # Taken now, with every unit sharded: while one is unsharded, the module registers its unsharded parameters.
+        self._loose = [p for p in module.parameters() if id(p) not in sharded and not isinstance(p, Ghost)]
 
     def sharded_params(self) -> list[nn.Parameter]:
         return [p for unit in self.units for p in fsdp_sharded_params(unit)]
 
+    def compute_dtypes(self) -> dict[int, torch.dtype]:
+        """``{id(sharded parameter): dtype}`` for those all-gathered in another dtype (``MixedPrecisionPolicy``): what
+        a run on ghosts must see to give the stage outputs' dtypes."""
+        if self.param_dtype is None:
+            return {}
+        return {id(p): self.param_dtype for p in self.sharded_params() if p.is_floating_point()}
+
     def loose_params(self) -> list[nn.Parameter]:
         """The module's parameters outside every unit (replicated, averaged over the replicas)."""
-        return [p for p in self.module.parameters() if id(p) not in self._sharded and not isinstance(p, Ghost)]
+        return list(self._loose)
 
     def trainable(self) -> list[nn.Parameter]:
         """The parameters the optimizers hold (sharded ones as sharded, whatever the units' state) that require
@@ -99,6 +112,19 @@ class StageSharding:
         """Free the unsharded parameters (after an evaluation batch)."""
         for unit in self.units:
             unit.reshard()
+
+
+class OutsideModules(nn.Module):
+    """The modules outside the backbone a rank holds, as one FSDP unit that is never called: its forward hooks would
+    not fire (the step's own code calls the modules), so the strategy unshards and reshards it. ``fully_shard``
+    registers the sharded parameters on the modules themselves, which stay where the LightningModule has them."""
+
+    def __init__(self, modules: list[nn.Module]) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(modules)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("The modules outside the backbone run as the step calls them, not through this unit.")
 
 
 def outside_modules(module: nn.Module, blocks: set[int], around: set[int], local: set[int]) -> list[nn.Module]:
@@ -162,16 +188,15 @@ def shard_stage(
     for m in outside:
         prepare(m)
     if outside:
-        fully_shard(outside if len(outside) > 1 else outside[0], **kwargs)
-        outside_unit = outside[0]
-        fsdp_remove_forward_hooks(outside_unit)
+        outside_unit = OutsideModules(outside)
+        fully_shard(outside_unit, **kwargs)
     for unit in units + ([outside_unit] if outside_unit is not None else []):
         fsdp_lazy_init(unit)
         # The unsharded parameters are allocated by the first all-gather: here, not under the inference mode of a
         # first validation (inference tensors cannot be trained later).
         unit.unshard()
         unit.reshard()
-    sharding = StageSharding(units, outside_unit, module)
+    sharding = StageSharding(units, outside_unit, module, options.mp_policy.param_dtype)
     after = dict(module.named_parameters(remove_duplicate=False))
     cut.replace_parameters({id(p): after[name] for name, p in before if name in after and after[name] is not p})
     log.debug(

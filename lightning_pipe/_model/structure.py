@@ -220,9 +220,12 @@ def _refuse_filled_cache(args: tuple, kwargs: dict) -> None:
 
 
 @contextmanager
-def everything_ghosted(module: nn.Module, device: torch.device) -> Iterator[dict[int, Ghost]]:
+def everything_ghosted(
+    module: nn.Module, device: torch.device, dtypes: Optional[dict[int, torch.dtype]] = None
+) -> Iterator[dict[int, Ghost]]:
     """Every parameter of ``module``, and every buffer of a module with parameters, a ghost for the block (one ghost
-    per tensor, shared by the names it has). Yields ``{id(real tensor): ghost}``."""
+    per tensor, shared by the names it has). Yields ``{id(real tensor): ghost}``. ``dtypes``: the dtype a tensor
+    computes in when it is not its own (``{id: dtype}``: a sharded parameter all-gathered in bf16)."""
     ghosts: dict[int, Ghost] = {}
     swaps: list[tuple[dict, str, Tensor]] = []
     try:
@@ -235,7 +238,10 @@ def everything_ghosted(module: nn.Module, device: torch.device) -> Iterator[dict
                         continue
                     ghost = ghosts.get(id(value))
                     if ghost is None:
-                        ghost = ghosts[id(value)] = ghost_of(value, device, f"{path}.{name}".lstrip("."))
+                        origin = f"{path}.{name}".lstrip(".")
+                        dtype = (dtypes or {}).get(id(value))
+                        source = value if dtype is None else torch.empty(value.shape, dtype=dtype, device="meta")
+                        ghost = ghosts[id(value)] = ghost_of(source, device, origin)
                     swaps.append((table, name, value))
                     table[name] = ghost
         yield ghosts

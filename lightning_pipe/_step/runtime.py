@@ -247,8 +247,9 @@ class PipelineRuntime:
         ghost_in = None
         if received is not None:
             ghost_in = Ghost(torch.empty(received[0], dtype=received[1], device="meta"), self.device)
-        with torch.no_grad(), everything_ghosted(module, self.device), metrics_set_aside(module_metrics(module)), \
-                fsdp_hooks_suspended(module):
+        dtypes = self.sharding.compute_dtypes() if self.sharding is not None else None
+        with torch.no_grad(), everything_ghosted(module, self.device, dtypes), \
+                metrics_set_aside(module_metrics(module)), fsdp_hooks_suspended(module):
             try:
                 out = program.run_stage(stage, rows, ghost_in, probing=True)
                 return tuple(out.shape), out.dtype

@@ -23,6 +23,8 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import empty as distributed_empty
 
 from lightning_pipe._rank_states import markers
 from lightning_pipe.checkpoint._files import (
@@ -45,6 +47,7 @@ from lightning_pipe.checkpoint._names import (
     load_flat_optimizer_state,
     load_full_optimizer_state,
     optimizer_state_for_save,
+    shard_like,
     stored_group_keys,
     stored_state_keys,
 )
@@ -213,6 +216,7 @@ def load(
         saved = info.get("optimizers") or []
         merged = saved[idx].get("param_groups") if idx < len(saved) else None
         reps.append(group_representatives(optimizer, names, merged))
+        by_name = {names.first_name[id(p)]: p for group in optimizer.param_groups for p in group["params"]}
         template = {}
         for section, keys in (
             ("state", stored_state_keys(optimizer, names, stored, f"optimizer_{idx}.state.")),
@@ -221,7 +225,8 @@ def load(
             for name, subs in keys.items():
                 for key in subs:
                     entry = f"{section}.{name}.{key}"
-                    template[entry] = _placeholder(stored.get(f"optimizer_{idx}.{entry}"))
+                    like = by_name.get(name) if section == "state" else None
+                    template[entry] = _placeholder(stored.get(f"optimizer_{idx}.{entry}"), like)
         state[f"optimizer_{idx}"] = template
     _check_against(path, state, stored, strict, global_rank)
     try:  # DCP gathers every rank's read errors and raises them on all ranks
@@ -280,9 +285,15 @@ def _read_on_every_rank(filepath: Path, weights_only: Optional[bool], rank: int)
     return path, checkpoint, metadata
 
 
-def _placeholder(meta: Any) -> Any:
-    """A template value DCP reads a stored entry into: a tensor of its size for a tensor, else anything."""
+def _placeholder(meta: Any, like: Optional[torch.Tensor] = None) -> Any:
+    """A template value DCP reads a stored entry into: a tensor of its size for a tensor, else anything. ``like``: the
+    parameter an optimizer state entry belongs to; a state of a sharded parameter's size is read sharded like it (each
+    rank reads its shard only, whatever layout wrote it)."""
     if isinstance(meta, TensorStorageMetadata):
+        if isinstance(like, DTensor) and tuple(meta.size) == tuple(like.shape):
+            return distributed_empty(
+                meta.size, dtype=meta.properties.dtype, device_mesh=like.device_mesh, placements=like.placements
+            )
         return torch.empty(meta.size, dtype=meta.properties.dtype)
     return None
 
@@ -379,7 +390,7 @@ def _load_file(
     local = module.state_dict()
     stored = {f"state_dict.{k}": v for k, v in full.items() if isinstance(v, torch.Tensor)}
     _check_against(path, {"state_dict": local}, stored, strict, global_rank)
-    module.load_state_dict({k: full[k] for k in local if k in full}, strict=strict)
+    module.load_state_dict({k: shard_like(full[k], local[k]) for k in local if k in full}, strict=strict)
     if prepare is not None:
         prepare(checkpoint)
     optimizer_states = checkpoint.pop("optimizer_states", None)

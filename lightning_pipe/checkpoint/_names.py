@@ -20,6 +20,7 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lightning_pipe._model.names import ModelNames
 
@@ -213,7 +214,7 @@ def load_full_optimizer_state(
                             f" but the parameter has {tuple(param.shape)}: the optimizer's parameter order differs"
                             " from the checkpoint's (parameter groups must list parameters in module order)."
                         )
-                new_state[counter] = entry
+                new_state[counter] = {key: shard_like(value, param) for key, value in entry.items()}
             numbers.append(counter)
             counter += 1
         new_group = {k: v for k, v in saved_group.items() if k not in ("params", "param_names")}
@@ -222,3 +223,12 @@ def load_full_optimizer_state(
             new_group["param_names"] = list(group["param_names"])
         new_groups.append(new_group)
     optimizer.load_state_dict({"state": new_state, "param_groups": new_groups})
+
+
+def shard_like(value: Any, like: Any) -> Any:
+    """``value`` (a whole tensor read from a single file, the same on every rank) as this rank's shard when ``like``
+    is sharded: each rank takes its part, no communication."""
+    if isinstance(like, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+        if tuple(value.shape) == tuple(like.shape):
+            return distribute_tensor(value.to(like.device), like.device_mesh, like.placements, src_data_rank=None)
+    return value
