@@ -15,6 +15,7 @@ small fits). The replicas get their own rows (Lightning's distributed sampler), 
 - ``bf16-mixed`` as FSDP's mixed precision, tracking the fp32 run;
 - the meta device (nanoGPT, its head tied to the embedding): each rank materialises its shards only, to the unsplit
   model's values;
+- the timeline of one step shows the gradient reductions (``collective`` spans);
 - setup errors: an HSDP shape that does not divide the replicas.
 """
 
@@ -50,11 +51,15 @@ def phase(name: str, base: dict, strategy: dict, **extra: Any) -> dict[str, Any]
     return {"name": name, **base, "strategy": strategy, "trainer": trainer, **extra}
 
 
+def trace(work: Path, name: str) -> dict[str, Any]:
+    return {"step": 1, "dirpath": str(work / f"timeline_{name}"), "png": False}
+
+
 def phases(work: Path) -> list[dict[str, Any]]:
     ddp, fsdp = str(work / "ddp.ckpt"), str(work / "fsdp.ckpt")
     return [
-        phase("rope_ddp", ROPE, PP2, save=ddp),
-        phase("rope_fsdp", ROPE, {**PP2, "data_parallel": "fsdp"}, save=fsdp),
+        phase("rope_ddp", ROPE, {**PP2, "timeline": trace(work, "ddp")}, save=ddp),
+        phase("rope_fsdp", ROPE, {**PP2, "data_parallel": "fsdp", "timeline": trace(work, "fsdp")}, save=fsdp),
         phase("rope_fsdp_interleaved", ROPE, {
             **PP2, "data_parallel": "fsdp", "schedule": "Interleaved1F1B", "reshard_after_forward": True,
             "activation_checkpointing": True,
@@ -138,6 +143,17 @@ def test_sharded_stages_train_as_replicated_ones(four, name, against, pp, atol):
     print(f"{name} against {against}: {worst:.1e}")
     if name.startswith("resume"):  # the third epoch only
         assert len(got[0]["steps"]) == len(ranks(four, "rope_ddp", 4)[0]["steps"]) // 2
+
+
+@pytest.mark.dist
+def test_the_timeline_shows_the_gradient_reductions(four, work):
+    for mode, expected in (("ddp", "all-reduce over replicas"), ("fsdp", "reduce-scatter ")):
+        trace = json.loads((work / f"timeline_{mode}" / "timeline.json").read_text())
+        spans = [t for t in trace["traceEvents"] if t["ph"] == "X" and t["cat"] == "collective"]
+        assert {t["pid"] for t in spans} == {0, 1}, spans  # both stages of the traced pipeline
+        assert all(t["name"].startswith(expected) for t in spans if "tied" not in t["name"]), spans
+        if mode == "fsdp":  # one reduce-scatter per unit: the blocks of each stage and its outside modules
+            assert len([t for t in spans if t["pid"] == 0]) == 3
 
 
 @pytest.mark.dist

@@ -84,6 +84,22 @@ def test_summarize_hand_built_gpipe_bubble():
     assert (summary["num_stages"], summary["num_microbatches"]) == (2, m)
 
 
+def test_gradient_reductions_are_drawn_and_timed_but_not_in_the_schedule_span(tmp_path: Path):
+    events = gpipe_events(4) + [
+        ev(0, "collective", None, None, 15000.0, 15400.0, name="reduce-scatter Block"),
+        ev(1, "collective", None, None, 14000.0, 14100.0, name="all-reduce over replicas"),
+    ]
+    summary = summarize(events, num_ranks=2)
+    assert summary["span_s"] == pytest.approx(0.015)  # the schedule's span, as without them
+    assert summary["collective_s"] == {0: pytest.approx(400e-6), 1: pytest.approx(100e-6)}
+    write_chrome_trace(events, tmp_path / "t.json")
+    threads = [t for t in json.loads((tmp_path / "t.json").read_text())["traceEvents"] if t["name"] == "thread_name"]
+    assert {"rank": 0, "name": "collective"} in [{"rank": t["pid"], "name": t["args"]["name"]} for t in threads]
+    pytest.importorskip("matplotlib")
+    write_png(events, tmp_path / "t.png")
+    assert (tmp_path / "t.png").read_bytes()[:8] == PNG_MAGIC
+
+
 def test_summarize_counts_overlap_once_and_idle_ranks():
     events = [
         ev(0, "forward", 0, 0, 0.0, 100.0),

@@ -101,12 +101,15 @@ class StageSharding:
         for unit in self.units:
             fsdp_defer_reduction(unit)
 
-    def reduce(self, scale: float) -> None:
-        """Scale the accumulated unsharded gradients by ``scale`` and reduce them into the sharded ``.grad``."""
+    def reduce(self, scale: float, span: Callable[[str], Any]) -> None:
+        """Scale the accumulated unsharded gradients by ``scale`` and reduce them into the sharded ``.grad``
+        (``span(name)`` around each unit's reduction, for the timeline)."""
         for unit in reversed(self.units):
             if scale != 1.0:
                 fsdp_scale_unsharded_grads(unit, scale)
-            fsdp_reduce_now(unit)
+            what = "outside modules" if unit is self.outside else type(unit).__name__.removeprefix("FSDP")
+            with span(f"reduce-scatter {what}"):
+                fsdp_reduce_now(unit)
 
     def reshard(self) -> None:
         """Free the unsharded parameters (after an evaluation batch)."""

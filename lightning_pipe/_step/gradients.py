@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from typing import TYPE_CHECKING, Optional
+from contextlib import AbstractContextManager as ContextManager
+from contextlib import contextmanager, nullcontext
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -13,6 +14,13 @@ from torch.distributed.tensor import DTensor
 
 if TYPE_CHECKING:
     from lightning_pipe._model.shard import StageSharding
+
+#: ``span(name)``: a context manager around one collective, to time it.
+Span = Callable[[str], ContextManager[None]]
+
+
+def _no_span(name: str) -> ContextManager[None]:
+    return nullcontext()
 
 
 class Gradients:
@@ -69,20 +77,23 @@ class Gradients:
             for p, grad in zip(params, previous):
                 p.grad = grad
 
-    def synchronise(self, scale: float = 1.0) -> None:
+    def synchronise(self, scale: float = 1.0, span: Optional[Span] = None) -> None:
         """Multiply the kept gradients by ``scale`` (the step's loss weighting, [Note: token-weighted losses]: one
         replica's own, so before averaging), average them over the replicas and sum tied copies over their ranks."""
         kept = dict(self._pending or ())
         if scale != 1.0 and kept:
             torch._foreach_mul_(list(kept.values()), scale)
+        span = span or _no_span
         if self.replica_group is not None and kept:
-            _all_reduce(list(kept.values()), self.replica_group, average=True)
+            with span("all-reduce over replicas"):
+                _all_reduce(list(kept.values()), self.replica_group, average=True)
         if self.sharding is not None:
-            kept.update(self._reduce_sharded(scale))
+            kept.update(self._reduce_sharded(scale, span))
         for group, shared in self.tie_groups:
             # Every copy takes part (the same sizes on every rank); a frozen copy gets its gradient dropped after.
             grads = [kept.get(p) if p in kept else torch.zeros_like(p) for p in shared]
-            _all_reduce(grads, group, average=False)
+            with span("all-reduce of tied parameters"):
+                _all_reduce(grads, group, average=False)
             for p, grad in zip(shared, grads):
                 if p.requires_grad:
                     kept[p] = grad
@@ -90,7 +101,7 @@ class Gradients:
                     kept.pop(p, None)
         self._pending = list(kept.items())
 
-    def _reduce_sharded(self, scale: float) -> dict[nn.Parameter, Tensor]:
+    def _reduce_sharded(self, scale: float, span: Span) -> dict[nn.Parameter, Tensor]:
         """Scale and reduce-scatter the units' accumulated gradients; returns the sharded gradients, leaving the
         earlier (accumulated) ``.grad`` in place."""
         assert self.sharding is not None
@@ -99,7 +110,7 @@ class Gradients:
         for p in params:
             p.grad = None
         try:
-            self.sharding.reduce(scale)
+            self.sharding.reduce(scale, span)
             return {p: p.grad for p in params if p.grad is not None}
         finally:
             for p, grad in zip(params, previous):

@@ -190,7 +190,7 @@ class PipelineRuntime:
             self._warn_unweighted(weighing)
         with self._waiting_for_last_stage():
             (loss, scale), entries = self._train_channel.share(payload)
-        self.gradients.synchronise(float(scale))
+        self.gradients.synchronise(float(scale), tracer.collective if tracer is not None else None)
         replay(module, entries, self.device, self.dp_group)
         if tracer is not None:
             self._report_timeline(tracer)

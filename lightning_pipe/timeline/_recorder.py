@@ -15,6 +15,7 @@ backward_input     ``backward_one_chunk(full_backward=False)`` (ZB)       ``I3 s
 backward_weight    ``backward_weight_one_chunk`` (zero-bubble schedules)  ``W3 s1``
 comm               posting sends/receives (``_batch_p2p``)                ``recv post``
 comm               waiting for them (``_wait_batch_p2p``)                 ``recv wait``
+collective         a gradient reduction (:meth:`collective`)              ``reduce-scatter``
 step               the whole traced step on this rank                     ``step``
 =================  =====================================================  ================
 
@@ -173,6 +174,21 @@ class TimelineRecorder:
             self._op_labels.clear()
             self._work_labels.clear()
             self.events.sort(key=lambda e: (e["start"], e["end"]))
+
+    @contextmanager
+    def collective(self, name: str, **args: Any) -> Iterator[None]:
+        """Record the block as a ``collective`` event: a gradient reduction over the replicas (all-reduce,
+        reduce-scatter) or over the ranks of a tied parameter, during or after the traced step."""
+        sync = self._sync
+        if sync is not None:
+            sync()
+        t0 = time.perf_counter_ns()
+        try:
+            yield
+        finally:
+            if sync is not None:
+                sync()
+            self._add("collective", name, None, None, t0, time.perf_counter_ns(), **args)
 
     # ------------------------------------------------------------------ wrappers
     def _add(self, cat: str, name: str, stage: Optional[int], mb: Optional[int], t0: int, t1: int, **args: Any) -> None:

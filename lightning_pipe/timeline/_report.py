@@ -35,7 +35,10 @@ _COLOURS = {
     "backward_input": "#8fd19e",
     "backward_weight": "#dd8452",
     "comm": "#c44e52",
+    "collective": "#8172b3",
 }
+#: Events outside the schedule's span: gradient reductions over the replicas and ties (after it, today).
+_AFTER_CATS = ("step", "collective")
 
 Event = dict[str, Any]
 
@@ -66,6 +69,7 @@ def summarize(all_events: Iterable[Event], num_ranks: int) -> dict[str, Any]:
     ``span_s``: from the first recorded forward/backward/transfer on any rank to the last one ends, in seconds.
     ``busy_s[rank]``: time that rank spent computing (forwards, losses, backwards; overlaps counted once).
     ``stage_busy_s[stage]``: compute time per stage. ``comm_s[rank]``: time in posting and waiting for transfers.
+    ``collective_s[rank]``: time in gradient reductions over the replicas and ties (not in ``span_s``).
     ``bubble_fraction = 1 - sum(busy_s) / (num_ranks * span_s)``: the share of the pipeline's rank-time not spent
     computing (waiting, transferring, and schedule overhead), to compare with ``ideal_bubble_fraction``.
     ``step_s``: the longest whole traced step on any rank (from its origin to the end of ``schedule.step``,
@@ -73,7 +77,7 @@ def summarize(all_events: Iterable[Event], num_ranks: int) -> dict[str, Any]:
     ``num_microbatches``: how many distinct stages and microbatches ran a forward.
     """
     events = list(all_events)
-    timed = [e for e in events if e["cat"] != "step"]
+    timed = [e for e in events if e["cat"] not in _AFTER_CATS]
     if not timed:
         raise ValueError("No pipeline events to summarize: was a step traced?")
     if num_ranks < 1:
@@ -83,6 +87,9 @@ def summarize(all_events: Iterable[Event], num_ranks: int) -> dict[str, Any]:
     span = max(t1 - t0, 1e-9)
     busy = {r: 0.0 for r in range(num_ranks)}
     comm = {r: 0.0 for r in range(num_ranks)}
+    collective = {r: 0.0 for r in range(num_ranks)}
+    for r in range(num_ranks):
+        collective[r] = _union([e for e in events if e["cat"] == "collective" and int(e["rank"]) == r]) / 1e6
     by_rank: dict[int, list[Event]] = {}
     for e in timed:
         by_rank.setdefault(int(e["rank"]), []).append(e)
@@ -106,6 +113,7 @@ def summarize(all_events: Iterable[Event], num_ranks: int) -> dict[str, Any]:
         "busy_s": busy,
         "stage_busy_s": dict(sorted(stage_busy.items())),
         "comm_s": comm,
+        "collective_s": collective,
         "compute_s_by_kind": by_kind,
         "num_events": len(timed),
         "num_stages": len({e["stage"] for e in timed if e["cat"] == "forward"}),
@@ -137,6 +145,7 @@ def ideal_bubble_fraction(num_ranks: int, num_microbatches: int, stages_per_rank
 
 
 _COMM_TID = "comm"
+_COLLECTIVE_TID = "collective"
 _STEP_TID = "step"
 
 
@@ -151,6 +160,8 @@ def write_chrome_trace(all_events: Iterable[Event], path: Union[str, os.PathLike
         rank = int(e["rank"])
         if e["cat"] == "comm":
             tid: Any = _COMM_TID
+        elif e["cat"] == "collective":
+            tid = _COLLECTIVE_TID
         elif e["cat"] == "step":
             tid = _STEP_TID
         else:
@@ -189,12 +200,15 @@ def _thread_order(tid: Any) -> int:
         return -1
     if tid == _COMM_TID:
         return 1_000_000
+    if tid == _COLLECTIVE_TID:
+        return 1_000_001
     return int(tid)
 
 
 def write_png(all_events: Iterable[Event], path: Union[str, os.PathLike], title: Optional[str] = None) -> None:
     """Draw the timeline as a PNG: one row per rank, compute coloured by kind (forward, loss, backward, input and
-    weight backward) with microbatch labels, transfers as a thin red strip under each row. Needs matplotlib."""
+    weight backward) with microbatch labels, transfers as a thin red strip under each row, gradient reductions as a
+    purple one above it. Needs matplotlib."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -224,8 +238,9 @@ def write_png(all_events: Iterable[Event], path: Union[str, os.PathLike], title:
                 continue
             start = (e["start"] - t0) / 1000.0
             width = (e["end"] - e["start"]) / 1000.0
-            if e["cat"] == "comm":
-                ax.broken_barh([(start, width)], (y - 0.42, 0.12), facecolors=_COLOURS["comm"], linewidth=0)
+            if e["cat"] in ("comm", "collective"):
+                low = y - 0.42 if e["cat"] == "comm" else y + 0.40
+                ax.broken_barh([(start, width)], (low, 0.12), facecolors=_COLOURS[e["cat"]], linewidth=0)
                 continue
             ax.broken_barh(
                 [(start, width)], (y - 0.28, 0.66), facecolors=_COLOURS[e["cat"]], edgecolors="white", linewidth=0.4
@@ -239,7 +254,8 @@ def write_png(all_events: Iterable[Event], path: Union[str, os.PathLike], title:
     ax.set_xlim(0, span_ms)
     ax.set_xlabel("time (ms)")
     present = {e["cat"] for e in events}
-    legend = [Patch(color=_COLOURS[c], label=c.replace("_", " ")) for c in (*COMPUTE_CATS, "comm") if c in present]
+    legend = [Patch(color=_COLOURS[c], label=c.replace("_", " ")) for c in (*COMPUTE_CATS, "comm", "collective")
+              if c in present]
     ax.legend(handles=legend, loc="upper center", bbox_to_anchor=(0.5, -0.25 if len(ranks) < 4 else -0.12), ncol=6,
               fontsize=8, frameon=False)
     if title:
