@@ -141,6 +141,17 @@ class PipelineStrategy(ParallelStrategy):
         check_data_every_n_batches: every stage of a pipeline loads its own data, so the stages compare a
             fingerprint of the batch (shapes, values, order) on the first 3 batches of each run and then on every
             n-th; a mismatch fails on every rank, naming the likely cause. ``None`` turns the check off.
+        data_parallel: how each stage's ``data_parallel_size`` replicas hold it. ``"ddp"`` (default): replicated,
+            gradients averaged over the replicas after each batch. ``"fsdp"``: sharded over them with torch's FSDP2
+            (``fully_shard`` per backbone block, and one unit for the modules outside the backbone), each rank
+            holding ``1/data_parallel_size`` of its stage's parameters, gradients and optimizer state; gradients are
+            reduce-scattered once per batch. ``"hsdp"``: sharded within groups of ``data_parallel_shard_size``
+            replicas and replicated across the groups. See ``docs/scaling.md``.
+        data_parallel_shard_size: with ``data_parallel="hsdp"``, the replicas in each sharding group (consecutive
+            ranks); ``"auto"``: the processes per node.
+        reshard_after_forward: with sharded stages, free each block's gathered parameters after every forward and
+            gather them again for its backward (less memory, one all-gather per microbatch); ``False`` (default, as
+            torchtitan under a pipeline): gathered once per batch.
         timeline: trace one training step to see where the pipeline waits. ``True``: the first batch of
             ``global_step`` 1 (step 0 also sets the schedule up); an int: of that step; a directory; or a dict or
             :class:`~lightning_pipe.timeline.TimelineOptions` with ``step``, ``dirpath``, ``png``. Global rank 0
@@ -206,7 +217,9 @@ class PipelineStrategy(ParallelStrategy):
     @property
     def device_mesh(self) -> DeviceMesh:
         """The 2-D ``("data_parallel", "pipeline_parallel")`` mesh: ``mesh["pipeline_parallel"]`` is this rank's
-        pipeline, ``mesh["data_parallel"]`` its replicas (named as in Lightning's ``ModelParallelStrategy``)."""
+        pipeline, ``mesh["data_parallel"]`` its replicas (named as in Lightning's ``ModelParallelStrategy``). With
+        ``data_parallel="hsdp"`` it is 3-D, ``("data_parallel_replicate", "data_parallel_shard",
+        "pipeline_parallel")``, and ``mesh["data_parallel"]`` is the first two flattened."""
         if self._device_mesh is None:
             raise RuntimeError(
                 "`PipelineStrategy.device_mesh` is set up when the processes start; access it from `setup` on."
