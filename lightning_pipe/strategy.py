@@ -199,6 +199,7 @@ class PipelineStrategy(ParallelStrategy):
             data_parallel_shard_size, reshard_after_forward,
         )
         self._sharding: Optional[StageSharding] = None
+        self._scale_group: Optional[dist.ProcessGroup] = None
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._device_mesh: Optional[DeviceMesh] = None
@@ -322,6 +323,7 @@ class PipelineStrategy(ParallelStrategy):
                 self._process_group_backend, self._timeout, options.data_parallel, options.data_parallel_shard_size,
                 self.num_processes,
             )
+            self._scale_group = self._pipeline_side_group()
             log.debug(
                 "rank %d: mesh dp=%d x pp=%d, pipeline rank %d",
                 self.global_rank, self.data_parallel_size, self.pipeline_parallel_size, self.pipeline_rank,
@@ -329,6 +331,16 @@ class PipelineStrategy(ParallelStrategy):
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh  # what `LightningModule.device_mesh` returns
         _watchdog.start(self.global_rank, lambda: launched_processes(self.launcher), self._options.stall_timeout)
+
+    def _pipeline_side_group(self) -> Optional[dist.ProcessGroup]:
+        """A second group over each pipeline, which carries each step's loss weight from the last stage while the
+        schedule uses the pipeline's own ([Note: overlapped reductions]); needed with replicas to reduce over."""
+        pp = self.pipeline_parallel_size
+        rows = self.device_mesh.mesh.reshape(-1, pp)
+        if pp == 1 or rows.shape[0] == 1:
+            return None
+        group, _ = dist.new_subgroups_by_enumeration([row.tolist() for row in rows], timeout=self._timeout)
+        return group
 
     def _setup_distributed(self) -> None:
         reset_seed()
@@ -445,6 +457,7 @@ class PipelineStrategy(ParallelStrategy):
             self.root_device, checkpointed_blocks(options.activation_checkpointing),
             amp_scaler=getattr(self.precision_plugin, "scaler", None), timeline=options.timeline,
             check_data_every=options.check_data_every_n_batches, sharding=self._sharding,
+            scale_group=self._scale_group,
         )
         assert isinstance(self.precision_plugin, PipelinePrecision)
         counted_once = {id(p) for group, params in ties for p in params if dist.get_rank(group) != 0}

@@ -4,6 +4,9 @@
 One four-process launch runs every phase in a row (``tests/zoo_job.py``; starting processes costs more than these
 small fits). The replicas get their own rows (Lightning's distributed sampler), so their token counts differ:
 
+- the reductions that run in the last backward ([Note: overlapped reductions]) against Lightning's own DDP (pp1 x
+  ddp4, padded tokens: each replica weighs its own) and against the reductions after the schedule that zero-bubble
+  schedules keep (GPT-2 below, pp2 x ddp2, whose last stage sends each replica's loss weight to the first);
 - a hand-built litgpt-style model (RoPE buffers, a padding mask from the batch), pp2 x dp2: SGD with momentum, a
   per-step LR scheduler, clipping by the global norm and gradient accumulation, 1F1B sharded and replicated, and
   Interleaved1F1B sharded with ``reshard_after_forward=True`` and activation checkpointing: 1e-5;
@@ -66,7 +69,9 @@ def phases(work: Path) -> list[dict[str, Any]]:
         }),
         phase("gpt2_ddp", GPT2, {**PP2, "num_microbatches": 2}),
         phase("gpt2_fsdp", GPT2, {**PP2, "num_microbatches": 2, "data_parallel": "fsdp"}),
+        phase("gpt2_ddp_zb", GPT2, {**PP2, "num_microbatches": 2, "schedule": "InterleavedZeroBubble"}),
         phase("rope_dp4_ddp", ROPE, {"pipeline_parallel_size": 1, "num_microbatches": 2}),
+        {**phase("rope_dp4_lightning", ROPE, None), "strategy_name": "ddp"},
         phase("rope_dp4_hsdp", ROPE, {
             "pipeline_parallel_size": 1, "num_microbatches": 2, "data_parallel": "hsdp", "data_parallel_shard_size": 2,
         }),
@@ -129,6 +134,8 @@ def assert_same(got: list[dict[str, Any]], want: list[dict[str, Any]], pp: int, 
 @pytest.mark.parametrize(
     ("name", "against", "pp", "atol"),
     [
+        ("rope_dp4_ddp", "rope_dp4_lightning", 1, 1e-5),
+        ("gpt2_ddp", "gpt2_ddp_zb", 2, 2e-4),
         ("rope_fsdp", "rope_ddp", 2, 1e-5),
         ("rope_fsdp_interleaved", "rope_ddp", 2, 1e-5),
         ("gpt2_fsdp", "gpt2_ddp", 2, 2e-4),
@@ -154,6 +161,11 @@ def test_the_timeline_shows_the_gradient_reductions(four, work):
         assert all(t["name"].startswith(expected) for t in spans if "tied" not in t["name"]), spans
         if mode == "fsdp":  # one reduce-scatter per unit: the blocks of each stage and its outside modules
             assert len([t for t in spans if t["pid"] == 0]) == 3
+        for rank in (0, 1):  # the blocks' reductions start under the last microbatch's backward
+            last = max((t for t in trace["traceEvents"] if t.get("cat") == "backward" and t["pid"] == rank),
+                       key=lambda t: t["ts"])
+            during = [t for t in spans if t["pid"] == rank and t["name"].endswith("(in backward)")]
+            assert during and min(t["ts"] for t in during) < last["ts"] + last["dur"], (mode, rank, spans)
 
 
 @pytest.mark.dist

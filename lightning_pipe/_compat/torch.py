@@ -276,3 +276,34 @@ def fsdp_reduce_now(unit: Any) -> None:
     for group in state._fsdp_param_groups:
         group.post_backward()
     state._root_post_backward_final_callback()
+
+
+def fsdp_reduce_in_backward(unit: Any, around: Any) -> Any:
+    """Let ``unit`` reduce-scatter in its own post-backward hook during the next backward, as FSDP does outside a
+    pipeline, with ``around(reduce)`` wrapping each call: ``reduce(scale)`` multiplies the accumulated unsharded
+    gradients by ``scale`` and runs FSDP's post-backward. Returns the function that puts the unit back to deferred
+    reduction. The wrapper is an instance attribute of each ``FSDPParamGroup``: FSDP's autograd function calls
+    ``param_group.post_backward()`` through it."""
+    unit.set_is_last_backward(True)
+    unit.set_reshard_after_backward(True)
+    unit.set_requires_gradient_sync(True)
+    groups = list(fsdp_state(unit)._fsdp_param_groups)
+    for group in groups:
+        original = group.post_backward
+
+        def post_backward(*args: Any, _original: Any = original) -> Any:
+            def reduce(scale: float) -> Any:
+                if scale != 1.0:
+                    fsdp_scale_unsharded_grads(unit, scale)
+                return _original(*args)
+
+            return around(reduce)
+
+        group.post_backward = post_backward
+
+    def undo() -> None:
+        for group in groups:
+            vars(group).pop("post_backward", None)
+        fsdp_defer_reduction(unit)
+
+    return undo

@@ -27,6 +27,7 @@ rank (``mesh["data_parallel"]``; with HSDP, over ``data_parallel_shard`` and rep
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -101,10 +102,13 @@ class StageSharding:
         for unit in self.units:
             fsdp_defer_reduction(unit)
 
-    def reduce(self, scale: float, span: Callable[[str], Any]) -> None:
+    def reduce(self, scale: float, span: Callable[[str], Any], skip: Collection[int] = ()) -> None:
         """Scale the accumulated unsharded gradients by ``scale`` and reduce them into the sharded ``.grad``
-        (``span(name)`` around each unit's reduction, for the timeline)."""
+        (``span(name)`` around each unit's reduction, for the timeline), but for the units whose ids are in ``skip``
+        (reduced in the last backward already)."""
         for unit in reversed(self.units):
+            if id(unit) in skip:
+                continue
             if scale != 1.0:
                 fsdp_scale_unsharded_grads(unit, scale)
             what = "outside modules" if unit is self.outside else type(unit).__name__.removeprefix("FSDP")

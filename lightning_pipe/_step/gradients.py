@@ -14,6 +14,7 @@ from torch.distributed.tensor import DTensor
 
 if TYPE_CHECKING:
     from lightning_pipe._model.shard import StageSharding
+    from lightning_pipe._step.overlap import ReductionOverlap
 
 #: ``span(name)``: a context manager around one collective, to time it.
 Span = Callable[[str], ContextManager[None]]
@@ -77,18 +78,22 @@ class Gradients:
             for p, grad in zip(params, previous):
                 p.grad = grad
 
-    def synchronise(self, scale: float = 1.0, span: Optional[Span] = None) -> None:
+    def synchronise(
+        self, scale: float = 1.0, span: Optional[Span] = None, overlap: Optional[ReductionOverlap] = None
+    ) -> None:
         """Multiply the kept gradients by ``scale`` (the step's loss weighting, [Note: token-weighted losses]: one
         replica's own, so before averaging), average them over the replicas and sum tied copies over their ranks."""
         kept = dict(self._pending or ())
-        if scale != 1.0 and kept:
-            torch._foreach_mul_(list(kept.values()), scale)
+        done = overlap.done if overlap is not None else set()
+        todo = [grad for p, grad in kept.items() if p not in done]
+        if scale != 1.0 and todo:
+            torch._foreach_mul_(todo, scale)
         span = span or _no_span
-        if self.replica_group is not None and kept:
+        if self.replica_group is not None and todo:
             with span("all-reduce over replicas"):
-                _all_reduce(list(kept.values()), self.replica_group, average=True)
+                _all_reduce(todo, self.replica_group, average=True)
         if self.sharding is not None:
-            kept.update(self._reduce_sharded(scale, span))
+            kept.update(self._reduce_sharded(scale, span, overlap.reduced_units if overlap is not None else set()))
         for group, shared in self.tie_groups:
             # Every copy takes part (the same sizes on every rank); a frozen copy gets its gradient dropped after.
             grads = [kept.get(p) if p in kept else torch.zeros_like(p) for p in shared]
@@ -101,7 +106,7 @@ class Gradients:
                     kept.pop(p, None)
         self._pending = list(kept.items())
 
-    def _reduce_sharded(self, scale: float, span: Span) -> dict[nn.Parameter, Tensor]:
+    def _reduce_sharded(self, scale: float, span: Span, skip: set[int]) -> dict[nn.Parameter, Tensor]:
         """Scale and reduce-scatter the units' accumulated gradients; returns the sharded gradients, leaving the
         earlier (accumulated) ``.grad`` in place."""
         assert self.sharding is not None
@@ -110,7 +115,7 @@ class Gradients:
         for p in params:
             p.grad = None
         try:
-            self.sharding.reduce(scale, span)
+            self.sharding.reduce(scale, span, skip)
             return {p: p.grad for p in params if p.grad is not None}
         finally:
             for p, grad in zip(params, previous):

@@ -38,6 +38,7 @@ from torch.utils._pytree import tree_leaves
 
 from lightning_pipe import _watchdog
 from lightning_pipe._compat.torch import keep_forward_actions
+from lightning_pipe._step.overlap import ReductionOverlap
 from lightning_pipe._step.program import StepProgram
 from lightning_pipe._step.shapes import (
     MAX_SCHEDULES,
@@ -88,6 +89,20 @@ class StageModule(nn.Module):
         return self._program.run_stage(self.stage, lp_rows, received)
 
 
+class ReducingStage(PipelineStage):
+    """torch's ``PipelineStage`` whose last full backward of a step reduces its gradients over the replicas while it
+    runs ([Note: overlapped reductions]); every other call is torch's own."""
+
+    overlap: Optional[ReductionOverlap] = None
+
+    def backward_maybe_with_nosync(self, backward_type: Any, bwd_kwargs: dict, *args: Any, **kwargs: Any) -> Any:
+        last = kwargs.get("last_backward", args[0] if args else False)
+        if self.overlap is None or not last or backward_type != "full":
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, *args, **kwargs)
+        with self.overlap.last_backward(self.stage_index):
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, *args, **kwargs)
+
+
 class StagePipeline:
     """This rank's pipeline stages and the schedules that drive them.
 
@@ -128,6 +143,7 @@ class StagePipeline:
         self._schedules = ScheduleCache(max_schedules)
         self._metas: OrderedDict[tuple, dict[int, tuple[Meta, Meta]]] = OrderedDict()  # see _stage_metas
         self._loss_fn: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None
+        self.overlap: Optional[ReductionOverlap] = None  # reductions in the last backward (set by the runtime)
 
     @property
     def shape_stats(self) -> ShapeStats:
@@ -263,7 +279,9 @@ class StagePipeline:
                     "input_args": (_meta_tensor(inputs, requires_grad=training and index > 0),),
                     "output_args": (_meta_tensor(outputs, requires_grad=training),),
                 }
-            stages.append(PipelineStage(module, index, num_stages, self.device, group=self.group, **kwargs))
+            stage = ReducingStage(module, index, num_stages, self.device, group=self.group, **kwargs)
+            stage.overlap = self.overlap if training else None
+            stages.append(stage)
         return stages
 
     def _make_schedule(self, stages: list[PipelineStage], num_microbatches: int, training: bool) -> Any:

@@ -56,6 +56,7 @@ from lightning_pipe._model.untouched import untouched
 from lightning_pipe._step.gradients import Gradients
 from lightning_pipe._step.loss_weights import LossWeighing, warn_unweighted
 from lightning_pipe._step.microbatches import MicrobatchPolicy
+from lightning_pipe._step.overlap import ReductionOverlap
 from lightning_pipe._step.pipeline import StageModule, StagePipeline
 from lightning_pipe._step.program import StepProgram
 from lightning_pipe.partition import StageLayout
@@ -82,6 +83,8 @@ class PipelineRuntime:
         check_data_every: compare the batch's fingerprint over the pipeline on the first 3 batches of training and
             of evaluation, and on every ``check_data_every``-th after (:meth:`_check_same_data`); ``None``: never.
         sharding: this rank's FSDP units when the stages are sharded over their replicas ([Note: sharded stages]).
+        scale_group: a second group over this rank's pipeline, which carries each step's loss weight to every stage
+            during the schedule ([Note: overlapped reductions]); ``None`` with one process per pipeline.
     """
 
     def __init__(
@@ -99,6 +102,7 @@ class PipelineRuntime:
         timeline: Optional[_timeline.TimelineOptions] = None,
         check_data_every: Optional[int] = None,
         sharding: Optional[StageSharding] = None,
+        scale_group: Optional[dist.ProcessGroup] = None,
     ) -> None:
         self.module = module
         self.sharding = sharding
@@ -126,10 +130,12 @@ class PipelineRuntime:
         self.pipeline = StagePipeline(
             stage_modules, layout, schedule, microbatches.nominal, pp_group, device, self._probe
         )
+        replicas = dp_group if dist.get_world_size(dp_group) > 1 else None
+        self.overlap = self._overlap(cut, bounds, replicas, scale_group, sharding) if replicas is not None else None
+        self.pipeline.overlap = self.overlap
         self.pipeline.check_schedule()
         channel = (pp_group, self.pipeline.last_stage_rank, layout.pipeline_size, device)
         self._train_channel, self._eval_channel = LogChannel(*channel), LogChannel(*channel)
-        replicas = dp_group if dist.get_world_size(dp_group) > 1 else None
         self.gradients = Gradients(module, replicas, tie_groups, sharding)
         self._timeline_done = False
         self._trainable_checked: Optional[int] = None
@@ -170,6 +176,8 @@ class PipelineRuntime:
                 result = program.run_answering(output, step, program.sub_batch(rows), *rest, **kwargs)
             loss = loss_of(result)
             weight, factor = weighing.add(result, loss, observer)
+            if self.overlap is not None and len(weighing.losses) == num_microbatches:
+                self.overlap.share_scale(weighing.result()[1])  # the other stages reduce with it as they finish
             if weight is not None:
                 recorder.weigh_loss(loss, weight)
             # A microbatch that weighs nothing back-propagates an exact zero (its mean may be 0 / 0).
@@ -182,7 +190,11 @@ class PipelineRuntime:
             sample = program.sub_batch(torch.arange(batch_size // num_microbatches))
             with per_batch_metrics(metrics, num_microbatches), self.gradients.computed_aside():
                 self._sync_buffers()
+                if self.overlap is not None:
+                    self.overlap.start(pipeline.has_last_stage, tracer)
                 pipeline.train_step(sample, batch_size, num_microbatches, microbatch_loss, tracer)
+                if self.overlap is not None:
+                    self.overlap.finish()  # into the step's gradients, before they are set aside
         payload = None
         if pipeline.has_last_stage:
             loss, scale = weighing.result()
@@ -190,7 +202,7 @@ class PipelineRuntime:
             self._warn_unweighted(weighing)
         with self._waiting_for_last_stage():
             (loss, scale), entries = self._train_channel.share(payload)
-        self.gradients.synchronise(float(scale), tracer.collective if tracer is not None else None)
+        self.gradients.synchronise(float(scale), tracer.collective if tracer is not None else None, self.overlap)
         replay(module, entries, self.device, self.dp_group)
         if tracer is not None:
             self._report_timeline(tracer)
@@ -223,6 +235,28 @@ class PipelineRuntime:
         return apply_to_collection(result, Tensor, lambda t: t.to(self.device))
 
     # ------------------------------------------------------------------------------------------------ helpers
+    def _overlap(
+        self, cut: Cut, bounds: dict[int, tuple[int, int]], replicas: dist.ProcessGroup,
+        scale_group: Optional[dist.ProcessGroup], sharding: Optional[StageSharding],
+    ) -> ReductionOverlap:
+        """What each local stage reduces in its last backward ([Note: overlapped reductions]): replicated, the
+        parameters whose last local use it is (backward runs the stages from the last); sharded, its block units."""
+        final: dict[int, list[nn.Parameter]] = {}
+        units: dict[int, list[nn.Module]] = {}
+        if sharding is None:
+            seen: set[int] = set()
+            for stage in sorted(bounds):
+                for p in cut.stage_parameters(stage):
+                    if id(p) not in seen:
+                        seen.add(id(p))
+                        final.setdefault(stage, []).append(p)
+        else:
+            unit_ids = {id(u) for u in sharding.blocks}
+            for stage, (lo, hi) in bounds.items():
+                blocks = [cut.backbone.module(i) for i in range(lo, hi)]
+                units[stage] = [b for b in blocks if id(b) in unit_ids]
+        return ReductionOverlap(final, units, replicas, scale_group, self.pipeline.last_stage_rank, self.device)
+
     @contextmanager
     def _unsharded(self) -> Iterator[None]:
         """For an evaluation batch of sharded stages: the outside unit unsharded (it has no forward hooks), and every

@@ -188,7 +188,12 @@ class TimelineRecorder:
         finally:
             if sync is not None:
                 sync()
-            self._add("collective", name, None, None, t0, time.perf_counter_ns(), **args)
+            self.add_collective(name, t0, time.perf_counter_ns(), **args)
+
+    def add_collective(self, name: str, start_ns: int, end_ns: int, **args: Any) -> None:
+        """Record a ``collective`` event between two ``time.perf_counter_ns()`` readings (an asynchronous one: from
+        its launch to its completion)."""
+        self._add("collective", name, None, None, start_ns, end_ns, **args)
 
     # ------------------------------------------------------------------ wrappers
     def _add(self, cat: str, name: str, stage: Optional[int], mb: Optional[int], t0: int, t1: int, **args: Any) -> None:
