@@ -29,6 +29,7 @@ import torch
 from lightning.pytorch import callbacks as builtin
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.tuner import Tuner
+from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -144,7 +145,10 @@ def run_phase(phase: dict[str, Any], devices: int, out: Optional[Path]) -> dict[
     adam_steps = sorted({int(s["step"]) for s in optimizer.state.values() if "step" in s}) if optimizer else []
     result = {
         "steps": recorder.steps,
-        "state_dict": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
+        "state_dict": {  # a sharded tensor gathered: a collective, in the same order on every rank
+            k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu().clone()
+            for k, v in model.state_dict().items()
+        },
         "averaged": averaged,
         "adam_steps": adam_steps,
         "lr": model.hparams.lr,

@@ -18,6 +18,8 @@ finder): 6 steps per epoch, 4 microbatches, stage 0 on rank 0 and stage 1 on ran
 - The callbacks that do not change training, together: GradientAccumulationScheduler, LearningRateMonitor,
   EarlyStopping, Timer, ThroughputMonitor, DeviceStatsMonitor, SpikeDetection, RichProgressBar, ModelSummary;
   the same losses and the same logged metric names as one process.
+- Sharded stages (pp1 x fsdp2, both replicas fed the whole batch): BackboneFinetuning, resumed after the unfreeze,
+  and the LR finder train as one process does.
 - Nothing trainable: one process's error, on every rank.
 """
 
@@ -44,6 +46,9 @@ EVERY_EPOCH = {"cls": "ModelCheckpoint", "kwargs": {"dirpath": "ck", "save_top_k
 FINETUNE = {"cls": "BackboneFinetuning", "kwargs": {"unfreeze_backbone_at_epoch": 1, "backbone_initial_lr": 0.005}}
 FT_PIPE = {**PIPE, "backbone": ["backbone.blocks", "neck"]}
 GRADUAL = {"cls": "GradualFinetuning"}  # callbacks_job.GradualFinetuning: each stage's blocks unfrozen in turn
+SHARDED = {**PIPE, "pipeline_parallel_size": 1, "data_parallel": "fsdp"}
+FT_SHARDED = {**SHARDED, "backbone": ["backbone.blocks", "neck"]}
+WHOLE_BATCH = {"use_distributed_sampler": False}
 PRUNE = {"cls": "ModelPruning", "kwargs": {"pruning_fn": "l1_unstructured", "amount": 0.3}}
 LR_FIND = {"min_lr": 1e-5, "max_lr": 0.05, "early_stop_threshold": None}
 
@@ -91,6 +96,13 @@ PHASES = [
         ],
         model={**ADAMW, "scheduler": "step"}, logger=True, trainer={"log_every_n_steps": 1},
     ),
+    # sharded over 2 replicas that both see the whole batch (no distributed sampler): one process's training
+    phase("finetune_fsdp", 3, [FINETUNE, EVERY_EPOCH], model={"kind": "finetune"}, strategy=dict(FT_SHARDED),
+          trainer=WHOLE_BATCH),
+    phase("finetune_fsdp_resume", 3, [FINETUNE], model={"kind": "finetune"}, strategy=dict(FT_SHARDED),
+          root="finetune_fsdp", ckpt_path="finetune_fsdp/ck/epoch=1.ckpt", trainer=WHOLE_BATCH),
+    phase("lr_finder_fsdp", 1, [{"cls": "LearningRateFinder", "kwargs": {**LR_FIND, "num_training_steps": 16}}],
+          model={**ADAMW, "lr": 0.001}, data={"n": 160}, strategy=dict(SHARDED), trainer=WHOLE_BATCH),
     phase("frozen", 1, [], model={**ADAMW, "frozen": True}, expect_error=True),  # last: an error ends the job
 ]
 
@@ -116,6 +128,8 @@ def reference(work) -> dict[str, dict[str, Any]]:
     ref = work / "reference"
     ref.mkdir()
     for p in PHASES:
+        if p["strategy"].get("data_parallel"):
+            continue  # compared with the replicated phase's reference
         p = {**p, "strategy": None, "root": str(ref / p["root"])}
         if "ckpt_path" in p:
             p["ckpt_path"] = str(ref / p["ckpt_path"])
@@ -205,6 +219,24 @@ def test_global_pruning(name, pipelined, reference):
     assert_same_training(name, pipelined, reference)
     zeros = sum(int((v == 0).sum()) for r in pipelined[name] for v in r["state_dict"].values())
     assert zeros == sum(int((v == 0).sum()) for v in reference[name]["state_dict"].values()) > 1000
+
+
+@pytest.mark.parametrize(
+    ("name", "like"),
+    [("finetune_fsdp", "finetune"), ("finetune_fsdp_resume", "finetune_resume"), ("lr_finder_fsdp", "lr_finder")],
+)
+def test_sharded_stages_unfreeze_and_find_learning_rates_as_one_process(name, like, pipelined, reference):
+    """BackboneFinetuning (frozen, then unfrozen into a new parameter group, resumed after it) and the LR finder
+    with each stage sharded over two replicas that see the same batches: one process's training."""
+    ref = reference[like]
+    for got in pipelined[name]:
+        assert got["error"] is None, got["error"]
+        assert len(got["steps"]) == len(ref["steps"])
+        for mine, theirs in zip(got["steps"], ref["steps"]):
+            assert abs(mine["loss"] - theirs["loss"]) < ATOL and mine["groups"] == theirs["groups"], (mine, theirs)
+        assert set(got["state_dict"]) == set(ref["state_dict"])
+        assert _max_diff(got["state_dict"], ref["state_dict"]) < ATOL, name
+        assert got["lr"] == pytest.approx(ref["lr"], rel=1e-9)
 
 
 def test_callbacks_that_do_not_change_training(pipelined, reference):
