@@ -48,7 +48,13 @@ from lightning_pipe._lightning.options import DataParallel as _DataParallel
 from lightning_pipe._lightning.options import Size as _Size
 from lightning_pipe._lightning.options import validated_options
 from lightning_pipe._lightning.precision import PipelinePrecision, pipeline_precision
-from lightning_pipe._lightning.processes import HSDP_DIMS, end_launched_processes, launched_processes, pipeline_mesh
+from lightning_pipe._lightning.processes import (
+    HSDP_DIMS,
+    end_launched_processes,
+    launched_processes,
+    pipeline_mesh,
+    pipelines,
+)
 from lightning_pipe._lightning.summary import summarize_whole_model
 from lightning_pipe._model.activation_checkpointing import checkpointed_blocks
 from lightning_pipe._model.cut import Cut, connect_ties, drop_ghosts
@@ -62,6 +68,7 @@ from lightning_pipe._model.shard import (
     shard_stage,
 )
 from lightning_pipe._model.split import refuse_unsupported, split_module
+from lightning_pipe._model.tensor_parallel import TensorParallelPlan, block_plan, check_plan, parallelize_block
 from lightning_pipe._step.microbatches import MicrobatchPolicy
 from lightning_pipe._step.runtime import PipelineRuntime
 from lightning_pipe.checkpoint import _dcp, _files
@@ -152,6 +159,14 @@ class PipelineStrategy(ParallelStrategy):
         reshard_after_forward: with sharded stages, free each block's gathered parameters after every forward and
             gather them again for its backward (less memory, one all-gather per microbatch); ``False`` (default, as
             torchtitan under a pipeline): gathered once per batch.
+        tensor_parallel_size: processes that split each block's matrices (DTensor, torch's ``parallelize_module``),
+            consecutive ranks of one node; 1 (default): none. The processes are ``pipeline_parallel_size *
+            data_parallel_size * tensor_parallel_size``.
+        tensor_parallel_plan: how each block is split over its tensor ranks: a ``parallelize_module`` plan relative to
+            one block, keys with wildcards and ``"colwise"``/``"rowwise"`` or ``ParallelStyle`` values (``{"attn.wq":
+            "colwise", "attn.wo": "rowwise"}``), a callable ``(block, tp_mesh) -> None``, or ``"auto"``: a Hugging
+            Face model's own ``config.base_model_tp_plan``. Applied to each rank's own blocks after the cut; the
+            modules outside the backbone stay replicated. See ``docs/scaling.md``.
         timeline: trace one training step to see where the pipeline waits. ``True``: the first batch of
             ``global_step`` 1 (step 0 also sets the schedule up); an int: of that step; a directory; or a dict or
             :class:`~lightning_pipe.timeline.TimelineOptions` with ``step``, ``dirpath``, ``png``. Global rank 0
@@ -185,6 +200,8 @@ class PipelineStrategy(ParallelStrategy):
         data_parallel: _DataParallel = "ddp",
         data_parallel_shard_size: _Size = "auto",
         reshard_after_forward: bool = False,
+        tensor_parallel_size: int = 1,
+        tensor_parallel_plan: TensorParallelPlan = None,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -196,7 +213,7 @@ class PipelineStrategy(ParallelStrategy):
         self._options = validated_options(
             pipeline_parallel_size, data_parallel_size, num_microbatches, schedule, stages_per_rank, backbone, balance,
             activation_checkpointing, timeline, stall_timeout, check_data_every_n_batches, data_parallel,
-            data_parallel_shard_size, reshard_after_forward,
+            data_parallel_shard_size, reshard_after_forward, tensor_parallel_size, tensor_parallel_plan,
         )
         self._sharding: Optional[StageSharding] = None
         self._scale_group: Optional[dist.ProcessGroup] = None
@@ -250,6 +267,11 @@ class PipelineStrategy(ParallelStrategy):
     @property
     def pipeline_rank(self) -> int:
         return self.device_mesh["pipeline_parallel"].get_local_rank()
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        """Processes that split each block (the mesh's ``"tensor_parallel"`` dimension); 1: none."""
+        return self._options.tensor_parallel_size
 
     @property
     def data_parallel_rank(self) -> int:
@@ -321,7 +343,7 @@ class PipelineStrategy(ParallelStrategy):
             self._device_mesh = pipeline_mesh(
                 options.pipeline_parallel_size, options.data_parallel_size, self.world_size, self.root_device.type,
                 self._process_group_backend, self._timeout, options.data_parallel, options.data_parallel_shard_size,
-                self.num_processes,
+                self.num_processes, options.tensor_parallel_size,
             )
             self._scale_group = self._pipeline_side_group()
             log.debug(
@@ -336,8 +358,8 @@ class PipelineStrategy(ParallelStrategy):
         """A second group over each pipeline, which carries each step's loss weight from the last stage while the
         schedule uses the pipeline's own ([Note: overlapped reductions]); needed with replicas to reduce over."""
         pp = self.pipeline_parallel_size
-        rows = self.device_mesh.mesh.reshape(-1, pp)
-        if pp == 1 or rows.shape[0] == 1:
+        rows = pipelines(self.device_mesh)
+        if pp == 1 or self.data_parallel_size == 1:
             return None
         group, _ = dist.new_subgroups_by_enumeration([row.tolist() for row in rows], timeout=self._timeout)
         return group
@@ -387,8 +409,7 @@ class PipelineStrategy(ParallelStrategy):
         cut = self._cut_into_stages(microbatches, fitting)
         self._adapt_to_cut(trainer, cut)
         self._convert_precision(cut)
-        mesh = self.device_mesh.mesh.reshape(-1, self.pipeline_parallel_size)  # [replica][pipeline rank]
-        ties = connect_ties(cut, module, mesh, self.global_rank, self._tie_groups, self._timeout)
+        ties = connect_ties(cut, module, pipelines(self.device_mesh), self.global_rank, self._tie_groups, self._timeout)
         self._runtime = self._build_runtime(cut, microbatches, ties)
         self._setup_optimization(trainer, fitting)
         log.debug("rank %d: setup done for %s", self.global_rank, trainer.state.fn)
@@ -408,7 +429,27 @@ class PipelineStrategy(ParallelStrategy):
         )
         if self._options.data_parallel == "ddp":
             materialize_local(module, cut.backbone, device)  # sharded: unit by unit, in `_convert_precision`
+            parallelize = self._tensor_parallel(cut)
+            if parallelize is not None:
+                with cut.parameters_replaced(module):
+                    for block in self._local_blocks(cut):
+                        parallelize(block)
         return cut
+
+    def _local_blocks(self, cut: Cut) -> list[nn.Module]:
+        layout, rank = cut.layout, self.pipeline_rank
+        return [cut.backbone.module(i) for s in layout.rank_stages(rank) for i in range(*layout.bounds[s])]
+
+    def _tensor_parallel(self, cut: Cut) -> Optional[Callable[[nn.Module], None]]:
+        """How to split one of this rank's blocks over its tensor ranks ([Note: tensor-parallel stages]), checked
+        against the first block on every rank alike; ``None`` without tensor parallelism."""
+        plan = block_plan(self._options.tensor_parallel_plan, self.lightning_module)
+        if plan is None:
+            return None
+        if isinstance(plan, dict):
+            check_plan(plan, cut.backbone.module(0), cut.backbone.blocks[0].name, self.tensor_parallel_size)
+        tp_mesh = self.device_mesh["tensor_parallel"]
+        return lambda block: parallelize_block(plan, block, tp_mesh)
 
     def _adapt_to_cut(self, trainer: pl.Trainer, cut: Cut) -> None:
         """Callbacks learn this rank's share, summary and throughput count the whole model, samplers are chosen."""
@@ -444,7 +485,7 @@ class PipelineStrategy(ParallelStrategy):
 
         return shard_stage(
             self.lightning_module, cut, self.pipeline_rank, shard_mesh,
-            ShardingOptions(options.reshard_after_forward, policy), device, prepare,
+            ShardingOptions(options.reshard_after_forward, policy), device, prepare, self._tensor_parallel(cut),
         )
 
     def _build_runtime(

@@ -515,7 +515,63 @@ class Albert(Lit):
         return self(batch[0]).argmax(-1)
 
 
+# ----------------------------------------------------------------------------------------------------- tensor parallel
+class LlamaBlock(nn.Module):
+    """A Llama-style block as torchtitan writes one: separate q/k/v/o projections and a SwiGLU MLP, the head count
+    taken from the projection's width (``view(b, t, -1, head_dim)``), so a column-wise split gives each tensor rank
+    its own heads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attention_norm, self.ffn_norm = nn.RMSNorm(DIM), nn.RMSNorm(DIM)
+        self.wq, self.wk, self.wv = (nn.Linear(DIM, DIM, bias=False) for _ in range(3))
+        self.wo = nn.Linear(DIM, DIM, bias=False)
+        self.w1, self.w3 = nn.Linear(DIM, 2 * DIM, bias=False), nn.Linear(DIM, 2 * DIM, bias=False)
+        self.w2 = nn.Linear(2 * DIM, DIM, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        h = self.attention_norm(x)
+        q, k, v = (w(h).view(b, t, -1, DIM // HEADS).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.wo(att.transpose(1, 2).reshape(b, t, -1))
+        h = self.ffn_norm(x)
+        return x + self.w2(F.silu(self.w1(h)) * self.w3(h))
+
+
+#: The plan torchtitan gives such a block, relative to the block.
+LLAMA_TP_PLAN = {"wq": "colwise", "wk": "colwise", "wv": "colwise", "wo": "rowwise",
+                 "w1": "colwise", "w3": "colwise", "w2": "rowwise"}
+
+
+class LlamaTP(Lit):
+    """A hand-built Llama: embedding, blocks in a ModuleList taking RoPE tables, RMSNorm, head."""
+
+    def __init__(self, layers: int = 4, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.tok_embeddings = nn.Embedding(VOCAB, DIM)
+        self.layers = nn.ModuleList([LlamaBlock() for _ in range(layers)])
+        self.norm = nn.RMSNorm(DIM)
+        self.output = nn.Linear(DIM, VOCAB, bias=False)
+        cos, sin = rope_tables(DIM // HEADS, 64)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        x = self.tok_embeddings(idx)
+        for layer in self.layers:
+            x = layer(x, self.cos[:t], self.sin[:t])
+        return self.output(self.norm(x))
+
+    def loss(self, batch: Any) -> torch.Tensor:
+        x, y, _ = batch
+        return F.cross_entropy(self(x).flatten(0, 1), y.flatten())
+
+
 ZOO = {
+    "llama_tp": LlamaTP,
     "hf_llama": lambda **kw: HFCausalLM("llama", **kw),
     "hf_gpt2": lambda **kw: HFCausalLM("gpt2", **kw),
     "hf_llama_ft": lambda **kw: HFFineTuned("llama", **kw),
@@ -532,3 +588,4 @@ ZOO = {
 def make(name: str, seed: int = 1234, **kwargs: Any) -> L.LightningModule:
     torch.manual_seed(seed)
     return ZOO[name](**kwargs)
+

@@ -41,6 +41,8 @@ class PipelineOptions:
     data_parallel: str = "ddp"
     data_parallel_shard_size: Size = "auto"
     reshard_after_forward: bool = False
+    tensor_parallel_size: int = 1
+    tensor_parallel_plan: Any = None
 
 
 def validated_options(
@@ -58,6 +60,8 @@ def validated_options(
     data_parallel: Any = "ddp",
     data_parallel_shard_size: Any = "auto",
     reshard_after_forward: Any = False,
+    tensor_parallel_size: Any = 1,
+    tensor_parallel_plan: Any = None,
 ) -> PipelineOptions:
     """Check the constructor's arguments (raising ``ValueError`` that names the fix) and resolve ``"auto"`` where
     it does not depend on the processes."""
@@ -119,8 +123,24 @@ def validated_options(
             "`PipelineStrategy(reshard_after_forward=True)` applies to sharded stages only. Set"
             " `data_parallel='fsdp'` or 'hsdp', or drop the argument."
         )
+    tp = tensor_parallel_size
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"`PipelineStrategy(tensor_parallel_size={tp!r})` must be a positive integer (1: none).")
+    if tp > 1 and tensor_parallel_plan is None:
+        raise ValueError(
+            f"`PipelineStrategy(tensor_parallel_size={tp})` needs `tensor_parallel_plan=`: a `parallelize_module`"
+            " plan relative to one block (`{'attn.q_proj': 'colwise', 'attn.o_proj': 'rowwise', ...}`), a callable"
+            " `(block, tp_mesh) -> None`, or 'auto' for a Hugging Face model's own plan. The strategy applies it to"
+            " each rank's own blocks after the pipeline cut; a `configure_model` that splits the whole model itself"
+            " is not supported yet."
+        )
+    if tp == 1 and tensor_parallel_plan is not None:
+        raise ValueError(
+            "`PipelineStrategy(tensor_parallel_plan=...)` needs `tensor_parallel_size` > 1 (the processes that split"
+            " each block); set it, or drop the plan."
+        )
     return PipelineOptions(
         pipeline_parallel_size, data_parallel_size, num_microbatches, spec, stages_per_rank, backbone, balance,
         activation_checkpointing, TimelineOptions.resolve(timeline), seconds, every, data_parallel,
-        data_parallel_shard_size, reshard_after_forward,
+        data_parallel_shard_size, reshard_after_forward, tp, tensor_parallel_plan,
     )

@@ -85,8 +85,12 @@ def global_grad_norm(
     sharded = [g for g in grads if isinstance(g, DTensor)]
     plain = [g for g in grads if not isinstance(g, DTensor)]
     parts = [torch.nn.utils.get_total_norm(plain, norm_type=norm_type).float()] if plain else []
-    if sharded:  # the norm over every shard of this rank's stages: a collective over their replicas
-        parts.append(torch.nn.utils.get_total_norm(sharded, norm_type=norm_type).full_tensor().float().to(device))
+    by_mesh: dict[Any, list[torch.Tensor]] = {}
+    for g in sharded:  # by mesh: sharded over the replicas, over the tensor ranks, or both
+        by_mesh.setdefault(g.device_mesh, []).append(g)
+    for grads_on_mesh in by_mesh.values():  # the norm over every shard: a collective over the mesh
+        norm = torch.nn.utils.get_total_norm(grads_on_mesh, norm_type=norm_type)
+        parts.append(norm.full_tensor().float().to(device))
     if not parts:
         local = torch.zeros((), dtype=torch.float32, device=device)
     elif len(parts) == 1:

@@ -30,6 +30,9 @@ MESH_DIMS = ("data_parallel", "pipeline_parallel")
 #: replicas that shard the stage (``"data_parallel_shard"``, consecutive ranks: one node), the rows replicating it
 #: (``"data_parallel_replicate"``); ``"data_parallel"`` is both, flattened.
 HSDP_DIMS = ("data_parallel_replicate", "data_parallel_shard", "pipeline_parallel")
+#: The innermost dimension with ``tensor_parallel_size > 1``, named as in Lightning's ``ModelParallelStrategy``: the
+#: processes that split each block are consecutive ranks (one node), then come the pipeline and the replicas.
+TP_DIM = "tensor_parallel"
 
 
 def pipeline_mesh(
@@ -42,26 +45,44 @@ def pipeline_mesh(
     data_parallel: str = "ddp",
     shard_size: Any = "auto",
     processes_per_node: int = 1,
+    tensor_parallel_size: int = 1,
 ) -> DeviceMesh:
     """The mesh over every process, dimensions :data:`MESH_DIMS`, its ``"auto"`` sizes resolved against
     ``world_size``: each row (``mesh["pipeline_parallel"]``) is one pipeline, each column (``mesh["data_parallel"]``)
     the replicas of one pipeline rank. With ``data_parallel="hsdp"`` the replicas are split further
     (:data:`HSDP_DIMS`), and ``"data_parallel"`` is their flattened dimension. Every sub-group gets ``timeout``."""
-    pp, dp = resolve_sizes(pipeline_parallel_size, data_parallel_size, world_size)
+    tp = tensor_parallel_size
+    if world_size % tp:
+        raise ValueError(
+            f"`PipelineStrategy(tensor_parallel_size={tp})` does not divide the {world_size} processes the Trainer"
+            " runs (devices * num_nodes). Make pipeline_parallel_size * data_parallel_size * tensor_parallel_size"
+            " equal the number of processes."
+        )
+    pp, dp = resolve_sizes(pipeline_parallel_size, data_parallel_size, world_size // tp)
+    tail = ((TP_DIM,), (tp,)) if tp > 1 else ((), ())
     if data_parallel != "hsdp":
+        names, sizes = MESH_DIMS + tail[0], (dp, pp) + tail[1]
         return init_device_mesh(
-            device_type, (dp, pp), mesh_dim_names=MESH_DIMS,
-            backend_override=mesh_group_options(dict(zip(MESH_DIMS, (dp, pp))), world_size, backend, timeout),
+            device_type, sizes, mesh_dim_names=names,
+            backend_override=mesh_group_options(dict(zip(names, sizes)), world_size, backend, timeout),
         )
     shard = hsdp_shard_size(shard_size, dp, processes_per_node)
-    sizes = (dp // shard, shard, pp)
+    names, sizes = HSDP_DIMS + tail[0], (dp // shard, shard, pp) + tail[1]
     mesh = init_device_mesh(
-        device_type, sizes, mesh_dim_names=HSDP_DIMS,
-        backend_override=mesh_group_options(dict(zip(HSDP_DIMS, sizes)), world_size, backend, timeout),
+        device_type, sizes, mesh_dim_names=names,
+        backend_override=mesh_group_options(dict(zip(names, sizes)), world_size, backend, timeout),
     )
     flat = mesh_group_options({"data_parallel": dp}, world_size, backend, timeout).get("data_parallel")
     mesh[HSDP_DIMS[:2]]._flatten("data_parallel", backend_override=flat)
     return mesh
+
+
+def pipelines(mesh: DeviceMesh) -> Any:
+    """The global ranks as a ``[pipeline][pipeline rank]`` table: one row per replica (and tensor rank)."""
+    names = list(mesh.mesh_dim_names or ())
+    axis = names.index("pipeline_parallel")
+    table = mesh.mesh.movedim(axis, -1)
+    return table.reshape(-1, table.shape[-1])
 
 
 def hsdp_shard_size(shard_size: Any, dp: int, processes_per_node: int) -> int:

@@ -171,6 +171,15 @@ class Cut:
             ids.difference_update(moved)
             ids.update(id(new[i]) for i in moved)
 
+    @contextmanager
+    def parameters_replaced(self, module: nn.Module) -> Iterator[None]:
+        """Within the block, ``fully_shard`` or ``parallelize_module`` register new parameter objects under the old
+        names: point the cut at them after it (:meth:`replace_parameters`)."""
+        before = [(n, p) for n, p in module.named_parameters(remove_duplicate=False) if not isinstance(p, Ghost)]
+        yield
+        after = dict(module.named_parameters(remove_duplicate=False))
+        self.replace_parameters({id(p): after[n] for n, p in before if n in after and after[n] is not p})
+
     def registered_parameters(self, stage: int) -> list[nn.Parameter]:
         """The parameters a stage's modules register now: with sharded stages, the unsharded ones while unsharded."""
         seen: dict[int, nn.Parameter] = {}

@@ -160,9 +160,11 @@ def shard_stage(
     options: ShardingOptions,
     device: torch.device,
     prepare: Callable[[nn.Module], Any],
+    parallelize: Optional[Callable[[nn.Module], None]] = None,
 ) -> StageSharding:
-    """Materialise (from the meta device), prepare (dtype, device) and ``fully_shard`` this rank's units one by one,
-    then the outside unit (see [Note: sharded stages]). Updates ``cut`` to the sharded parameters."""
+    """Materialise (from the meta device), prepare (dtype, device), split over the tensor ranks (``parallelize``,
+    blocks only) and ``fully_shard`` this rank's units one by one, then the outside unit (see [Note: sharded
+    stages]). Updates ``cut`` to the sharded parameters."""
     backbone, layout = cut.backbone, cut.layout
     indices = [i for s in layout.rank_stages(pipeline_rank) for i in range(*layout.bounds[s])]
     materializer = Materializer(module, backbone, device)
@@ -181,31 +183,32 @@ def shard_stage(
     blocks = [backbone.module(i) for i in indices]
     outside = outside_modules(module, block_ids, around, local)
     _refuse_shared_across_units(blocks, outside, backbone, indices)
-    before = [(name, p) for name, p in module.named_parameters(remove_duplicate=False) if not isinstance(p, Ghost)]
-    kwargs = dict(mesh=mesh, reshard_after_forward=options.reshard_after_forward, mp_policy=options.mp_policy)
-    units: list[nn.Module] = []
-    for index, block in zip(indices, blocks):
-        materializer.block(index)
-        prepare(block)
-        if any(True for _ in block.parameters()):
-            fully_shard(block, **kwargs)
-            units.append(block)
-    materializer.rest()
-    outside_unit: Optional[nn.Module] = None
-    for m in outside:
-        prepare(m)
-    if outside:
-        outside_unit = OutsideModules(outside)
-        fully_shard(outside_unit, **kwargs)
-    for unit in units + ([outside_unit] if outside_unit is not None else []):
-        fsdp_lazy_init(unit)
-        # The unsharded parameters are allocated by the first all-gather: here, not under the inference mode of a
-        # first validation (inference tensors cannot be trained later).
-        unit.unshard()
-        unit.reshard()
+    with cut.parameters_replaced(module):
+        kwargs = dict(mesh=mesh, reshard_after_forward=options.reshard_after_forward, mp_policy=options.mp_policy)
+        units: list[nn.Module] = []
+        for index, block in zip(indices, blocks):
+            materializer.block(index)
+            prepare(block)
+            if parallelize is not None:
+                parallelize(block)
+            if any(True for _ in block.parameters()):
+                fully_shard(block, **kwargs)
+                units.append(block)
+        materializer.rest()
+        outside_unit: Optional[nn.Module] = None
+        for m in outside:
+            prepare(m)
+        if outside:
+            outside_unit = OutsideModules(outside)
+            fully_shard(outside_unit, **kwargs)
+        for unit in units + ([outside_unit] if outside_unit is not None else []):
+            fsdp_lazy_init(unit)
+            # The unsharded parameters are allocated by the first all-gather: here, not under the inference mode of a
+            # first validation (inference tensors cannot be trained later).
+            unit.unshard()
+            unit.reshard()
     sharding = StageSharding(units, outside_unit, module, options.mp_policy.param_dtype)
-    after = dict(module.named_parameters(remove_duplicate=False))
-    cut.replace_parameters({id(p): after[name] for name, p in before if name in after and after[name] is not p})
+
     log.debug(
         "pipeline rank %d: %d block units and %s outside unit (%s) sharded over %s",
         pipeline_rank, len(units), "one" if outside_unit is not None else "no",
@@ -259,9 +262,10 @@ def refuse_user_sharding(module: nn.Module) -> None:
     for name, param in module.named_parameters():
         if isinstance(param, DTensor):
             raise ValueError(
-                f"`{name}` is already a DTensor (distributed with `parallelize_module` or `distribute_tensor` before"
-                " the pipeline cut). `PipelineStrategy` does not apply a tensor-parallel plan of the model's own yet:"
-                " build the model unsplit, and use `PipelineStrategy(data_parallel='fsdp')` to shard the stages."
+                f"`{name}` is already a DTensor (distributed with `parallelize_module` or `distribute_tensor`, e.g. in"
+                " `configure_model`, before the pipeline cut). `PipelineStrategy` splits each rank's own blocks after"
+                " the cut: pass the plan as `PipelineStrategy(tensor_parallel_size=..., tensor_parallel_plan=...)`"
+                " and `data_parallel='fsdp'` for the sharding, and leave the model unsplit in `configure_model`."
             )
 
 

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from lightning_pipe._compat.torch import fsdp_reduce_in_backward, fsdp_sharded_params
 
@@ -159,13 +160,13 @@ class ReductionOverlap:
         key = (param.grad.dtype, param.grad.device)
         bucket = self._buckets.setdefault(key, [])
         bucket.append(param)
-        if sum(p.grad.numel() * p.grad.element_size() for p in bucket) >= self.bucket_bytes:  # type: ignore[union-attr]
+        if sum(_local(p.grad).numel() * p.grad.element_size() for p in bucket) >= self.bucket_bytes:  # type: ignore[union-attr]
             self._launch(key)
 
     def _launch(self, key: tuple) -> None:
         bucket = self._buckets.pop(key)
         scale = self.scale()
-        flat = torch.cat([p.grad.reshape(-1) for p in bucket])  # type: ignore[union-attr]
+        flat = torch.cat([_local(p.grad).reshape(-1) for p in bucket])  # a tensor-parallel shard: its own
         if scale != 1.0:
             flat.mul_(scale)
         start = time.perf_counter_ns()
@@ -194,11 +195,15 @@ class ReductionOverlap:
             flat /= size
             offset = 0
             for p in bucket:
-                grad = p.grad
-                assert grad is not None
+                assert p.grad is not None
+                grad = _local(p.grad)
                 grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
                 offset += grad.numel()
         self._in_flight = []
         for work in self._sends:
             work.wait()
         self._sends = []
+
+
+def _local(tensor: Any) -> Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
