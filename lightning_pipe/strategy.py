@@ -67,7 +67,7 @@ from lightning_pipe._model.shard import (
     refuse_user_sharding,
     shard_stage,
 )
-from lightning_pipe._model.split import refuse_unsupported, split_module
+from lightning_pipe._model.split import previous_cut, refuse_unsupported, split_module
 from lightning_pipe._model.tensor_parallel import TensorParallelPlan, block_plan, check_plan, parallelize_block
 from lightning_pipe._step.microbatches import MicrobatchPolicy
 from lightning_pipe._step.runtime import PipelineRuntime
@@ -400,7 +400,8 @@ class PipelineStrategy(ParallelStrategy):
             pipeline_parallel_size=self.pipeline_parallel_size,
         )
         options = self._options
-        refuse_user_sharding(module)
+        if previous_cut(module) is None:
+            refuse_user_sharding(module)
         if options.data_parallel != "ddp":
             refuse_unshardable(options.data_parallel, self.precision_plugin, trainer.callbacks)
         microbatches = MicrobatchPolicy(
@@ -430,11 +431,24 @@ class PipelineStrategy(ParallelStrategy):
         if self._options.data_parallel == "ddp":
             materialize_local(module, cut.backbone, device)  # sharded: unit by unit, in `_convert_precision`
             parallelize = self._tensor_parallel(cut)
-            if parallelize is not None:
+            if parallelize is not None and not self._reused(cut, "tensor_parallel"):
                 with cut.parameters_replaced(module):
                     for block in self._local_blocks(cut):
                         parallelize(block)
+                cut.tensor_parallel, cut.prepared_by = True, self
         return cut
+
+    def _reused(self, cut: Cut, what: str) -> bool:
+        """Whether this strategy sharded or split the module in an earlier ``Trainer`` call (``validate`` after
+        ``fit``): then it is used as it is. Another strategy cannot reuse it: its DTensors live on this one's mesh."""
+        done = bool(getattr(cut, what))
+        if done and cut.prepared_by is not self:
+            raise ValueError(
+                "The module was sharded or split over tensor ranks by another `PipelineStrategy`, whose process"
+                " groups its parameters use. Run every `Trainer` call on it with the same strategy object, or create"
+                " a new LightningModule (or load one from a checkpoint)."
+            )
+        return done
 
     def _local_blocks(self, cut: Cut) -> list[nn.Module]:
         layout, rank = cut.layout, self.pipeline_rank
@@ -467,7 +481,8 @@ class PipelineStrategy(ParallelStrategy):
         stages])."""
         self._sharding = None
         if self._options.data_parallel != "ddp":
-            self._sharding = self._shard(cut)
+            self._sharding = cut.sharding if self._reused(cut, "sharding") else self._shard(cut)
+            cut.sharding, cut.prepared_by = self._sharding, self
         self.model = self.precision_plugin.convert_module(self.lightning_module)
         cut.convert_ghosts(self.pipeline_rank, self.precision_plugin.convert_module)
         self.model_to_device()

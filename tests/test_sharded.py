@@ -61,8 +61,9 @@ def trace(work: Path, name: str) -> dict[str, Any]:
 def phases(work: Path) -> list[dict[str, Any]]:
     ddp, fsdp = str(work / "ddp.ckpt"), str(work / "fsdp.ckpt")
     return [
-        phase("rope_ddp", ROPE, {**PP2, "timeline": trace(work, "ddp")}, save=ddp),
-        phase("rope_fsdp", ROPE, {**PP2, "data_parallel": "fsdp", "timeline": trace(work, "fsdp")}, save=fsdp),
+        phase("rope_ddp", ROPE, {**PP2, "timeline": trace(work, "ddp")}, save=ddp, fns=["fit", "validate"]),
+        phase("rope_fsdp", ROPE, {**PP2, "data_parallel": "fsdp", "timeline": trace(work, "fsdp")}, save=fsdp,
+              fns=["fit", "validate"]),
         phase("rope_fsdp_interleaved", ROPE, {
             **PP2, "data_parallel": "fsdp", "schedule": "Interleaved1F1B", "reshard_after_forward": True,
             "activation_checkpointing": True,
@@ -148,6 +149,9 @@ def test_sharded_stages_train_as_replicated_ones(four, name, against, pp, atol):
     got, want = ranks(four, name, 4), ranks(four, against, 4)
     worst = assert_same(got, want, pp, atol)
     print(f"{name} against {against}: {worst:.1e}")
+    if name == "rope_fsdp":  # then validated by the same strategy, its units reused
+        for g, w in zip(got, want):
+            assert g["validated"][0]["val_loss"] == pytest.approx(w["validated"][0]["val_loss"], abs=1e-5)
     if name.startswith("resume"):  # the third epoch only
         assert len(got[0]["steps"]) == len(ranks(four, "rope_ddp", 4)[0]["steps"]) // 2
 

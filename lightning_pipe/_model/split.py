@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import Any, Callable, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -105,6 +105,11 @@ def split_module(
     rank_zero_info(f"PipelineStrategy ({schedule.name}): {layout.describe()}")
     log.debug("%s", cut.describe(rank))
     return cut
+
+
+def previous_cut(module: nn.Module) -> Optional[Cut]:
+    """The cut of ``module`` from an earlier ``Trainer`` call (``validate`` after ``fit``), if it was split."""
+    return _cuts.get(module)
 
 
 def _parameter_costs(module: nn.Module, backbone: Any, structure: Structure) -> list[float]:

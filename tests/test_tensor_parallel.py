@@ -1,0 +1,140 @@
+"""Tensor parallelism inside each stage (``tensor_parallel_size``, ``tensor_parallel_plan``), against one process on
+the full batch ([Note: tensor-parallel stages] in ``lightning_pipe/_model/tensor_parallel.py``).
+
+One four-process launch runs every phase in a row (``tests/zoo_job.py``):
+
+- a hand-built Llama (separate q/k/v/o, SwiGLU, RoPE) with torchtitan's plan given as a dict, pp2 x tp2: SGD with
+  momentum, a per-step LR scheduler, clipping by the global norm and gradient accumulation (1e-5), then validated;
+  the same under Interleaved1F1B with activation checkpointing; and pp1 x fsdp2 x tp2 (both replicas fed the whole
+  batch, so one process is the reference);
+- Hugging Face Llama with its own ``base_model_tp_plan`` (``"auto"``), pp2 x tp2, AdamW (2e-4);
+- the pp2 x tp2 checkpoint loaded without tensor parallelism (pp2 x ddp2) and on pp4, and consolidated;
+- a plan that names no module of the block: refused at setup on every rank.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import zoo
+from helpers import merged_state, run_script
+from test_models import assert_same_training, ranks, reference
+from torch.distributed.tensor.parallel import ColwiseParallel, SequenceParallel
+
+from lightning_pipe._lightning.options import validated_options
+from lightning_pipe._model.tensor_parallel import block_plan, check_plan
+
+HERE = Path(__file__).resolve().parent
+TRAIN = {"max_epochs": 1, "gradient_clip_val": 0.5, "accumulate_grad_batches": 2}
+LLAMA = {"model": "llama_tp", "data": {"n": 48, "batch_size": 8}, "model_kwargs": {"lr": 0.2}, "trainer": TRAIN}
+HF = {"model": "hf_llama", "data": {"n": 48, "batch_size": 8}, "model_kwargs": {"optimizer": "adamw", "lr": 2e-2},
+      "trainer": TRAIN}
+TP2 = {"pipeline_parallel_size": 2, "num_microbatches": 4, "tensor_parallel_size": 2,
+       "tensor_parallel_plan": zoo.LLAMA_TP_PLAN}
+
+
+def phases(work: Path) -> list[dict[str, Any]]:
+    ckpt = str(work / "tp.ckpt")
+    return [
+        {"name": "llama_pp2_tp2", **LLAMA, "strategy": TP2, "fns": ["fit", "validate"], "save": ckpt},
+        {"name": "llama_interleaved_ac", **LLAMA, "strategy": {
+            **TP2, "schedule": "Interleaved1F1B", "activation_checkpointing": True}},
+        {"name": "llama_fsdp2_tp2", **LLAMA, "strategy": {
+            **TP2, "pipeline_parallel_size": 1, "data_parallel": "fsdp"}},
+        {"name": "hf_llama_auto", **HF, "strategy": {**TP2, "tensor_parallel_plan": "auto"}},
+        {"name": "load_pp2_dp2", **LLAMA, "strategy": {"pipeline_parallel_size": 2, "num_microbatches": 4},
+         "ckpt_path": ckpt},
+        {"name": "load_pp4", **LLAMA, "strategy": {"pipeline_parallel_size": 4, "num_microbatches": 4},
+         "ckpt_path": ckpt},
+        {"name": "bad_plan", **LLAMA, "strategy": {**TP2, "tensor_parallel_plan": {"attn.wq": "colwise"}},
+         "expect_error": True},
+    ]
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("tensor_parallel")
+
+
+@pytest.fixture(scope="module")
+def four(work) -> Path:
+    spec = work / "four.json"
+    spec.write_text(json.dumps({"devices": 4, "phases": phases(work)}))
+    out = work / "four"
+    proc = run_script([str(HERE / "zoo_job.py"), str(spec), str(out)], cwd=work, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-8000:]
+    return out
+
+
+def by_name(work: Path, name: str) -> dict[str, Any]:
+    return next(p for p in phases(work) if p["name"] == name)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize(
+    ("name", "atol"),
+    [("llama_pp2_tp2", 1e-5), ("llama_interleaved_ac", 1e-5), ("llama_fsdp2_tp2", 1e-5), ("hf_llama_auto", 2e-4)],
+)
+def test_tensor_parallel_stages_train_as_one_process(four, work, name, atol):
+    phase = by_name(work, name)
+    got = ranks(four, name, 4)
+    want = reference(phase)
+    worst = assert_same_training(got, want, atol=atol)  # every rank's losses; the union of the ranks' weights
+    print(f"{name}: largest difference {worst:.1e}")
+    if "validate" in phase.get("fns", []):
+        for r in got:
+            assert r["validated"][0]["val_loss"] == pytest.approx(want["validated"][0]["val_loss"], abs=1e-5)
+
+
+@pytest.mark.dist
+def test_each_tensor_rank_holds_a_share_of_its_blocks(four):
+    split, whole = ranks(four, "llama_pp2_tp2", 4), ranks(four, "load_pp2_dp2", 4)
+    for s, w in zip(split, whole):
+        assert s["local_numel"] < 0.7 * w["local_numel"], (s["local_numel"], w["local_numel"])
+
+
+@pytest.mark.dist
+def test_a_tensor_parallel_checkpoint_loads_without_it_and_consolidates(four, work):
+    saved = merged_state(ranks(four, "llama_pp2_tp2", 4))
+    for name in ("load_pp2_dp2", "load_pp4"):
+        loaded = merged_state(ranks(four, name, 4))
+        assert set(loaded) == set(saved) and all(torch.equal(loaded[k], saved[k]) for k in saved), name
+    out = work / "consolidated.ckpt"
+    proc = subprocess.run(
+        [sys.executable, "-m", "lightning_pipe.consolidate", str(work / "tp.ckpt"), str(out)],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    state = torch.load(out, weights_only=True)["state_dict"]
+    zoo.make("llama_tp").load_state_dict(state)
+    assert all(torch.equal(state[k], saved[k]) for k in saved)
+
+
+@pytest.mark.dist
+def test_a_plan_that_names_no_module_is_refused_on_every_rank(four):
+    for r in ranks(four, "bad_plan", 4):
+        assert "names `attn.wq`, which is no module of the block" in r["error"], r["error"]
+        assert "wq" in r["error"] and "w2" in r["error"]  # the block's modules are listed
+
+
+def test_plans_are_read_and_checked_with_the_fix():
+    plan = block_plan({"w*": "colwise"}, zoo.make("llama_tp"))
+    assert isinstance(plan["w*"], ColwiseParallel)
+    with pytest.raises(ValueError, match="'colwise' and 'rowwise' by name"):
+        block_plan({"wq": "sequence_parallel"}, zoo.make("llama_tp"))
+    with pytest.raises(ValueError, match="sequence-parallel plans are not supported"):
+        block_plan({"attention_norm": SequenceParallel()}, zoo.make("llama_tp"))
+    with pytest.raises(ValueError, match="base_model_tp_plan"):
+        block_plan("auto", zoo.make("llama_tp"))
+    assert set(block_plan("auto", zoo.make("hf_llama"))) >= {"self_attn.q_proj", "mlp.down_proj"}
+    block = zoo.LlamaBlock()
+    with pytest.raises(ValueError, match="does not divide the 32 output features of `layers.0.wq`"):
+        check_plan(block_plan({"wq": "colwise"}, zoo.make("llama_tp")), block, "layers.0", 3)
+    with pytest.raises(ValueError, match="needs `tensor_parallel_plan=`"):
+        validated_options(2, "auto", "auto", "1F1B", "auto", "auto", "uniform", False, None, tensor_parallel_size=2)
