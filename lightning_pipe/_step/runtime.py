@@ -217,18 +217,19 @@ class PipelineRuntime:
         self._check_same_data("evaluation", batch, rest, kwargs)
         batch_size = program.batch_size_of(step, *args, **kwargs)
         num_microbatches = self.microbatches.for_batch(batch_size)
-        with program.holding(step, batch, batch_size, *rest, **kwargs), self._unsharded():
-            sample = program.sub_batch(torch.arange(batch_size // num_microbatches))
-            output = pipeline.eval_step(sample, batch_size, num_microbatches)
         payload = None
-        if pipeline.has_last_stage:
-            recorder = LogRecorder()
-            recorder.start(batch_size)
-            with recorder.installed(module):
-                result = program.run_answering(output, step, *args, **kwargs)
-            if contains_ghost(result):
-                raise _ghost_result(step)
-            payload = (result, recorder.reduce(module))
+        with self._unsharded():  # the last stage's own code runs the modules after the backbone too
+            with program.holding(step, batch, batch_size, *rest, **kwargs):
+                sample = program.sub_batch(torch.arange(batch_size // num_microbatches))
+                output = pipeline.eval_step(sample, batch_size, num_microbatches)
+            if pipeline.has_last_stage:
+                recorder = LogRecorder()
+                recorder.start(batch_size)
+                with recorder.installed(module):
+                    result = program.run_answering(output, step, *args, **kwargs)
+                if contains_ghost(result):
+                    raise _ghost_result(step)
+                payload = (result, recorder.reduce(module))
         with self._waiting_for_last_stage():
             result, entries = self._eval_channel.share(payload)
         replay(module, entries, self.device, self.dp_group)
