@@ -82,6 +82,17 @@ torch (checked against 2.13.0, 2.14.1 and 2.15.0; ``pyproject.toml`` pins ``<2.1
   and on with TorchComms, ``_batch_p2p`` calls itself through the module global once per process group; the
   recorder counts the outermost call.
 
+- FSDP2 (checked against 2.13): ``fully_shard.state(module)`` and the state's ``_fsdp_param_group(s)``,
+  ``_lazy_init`` and ``_root_post_backward_final_callback``; ``FSDPParamGroup.fsdp_params`` and ``post_backward``;
+  ``FSDPParam.sharded_param``, ``unsharded_param`` (``_unsharded_param``) and ``unsharded_accumulated_grad``. The
+  public API (``set_requires_gradient_sync``, ``unshard``, ``reshard``) drives one backward per step. Sharded
+  pipeline stages defer the reduction over the microbatches and reduce in their last backward, after scaling the
+  accumulated unsharded gradients by the step's loss weights, which no public hook allows: they do what torch's own
+  ``PipelineStage.perform_reduce_grad`` does for an ``FSDPModule`` (the groups' ``post_backward``, then the root's
+  final callback), and wrap ``post_backward`` as an instance attribute of each group for the last backward
+  (:func:`.torch.fsdp_reduce_in_backward`). FSDP's forward hooks are taken out while a stage runs on ghosts
+  (:class:`.torch.fsdp_hooks_suspended`: ``nn.Module._forward_pre_hooks``/``_forward_hooks``).
+
 torchmetrics (checked against 1.9; the dependency is pinned below 2):
 
 - ``Metric._defaults``, ``_update_count``, ``_forward_cache``, ``_computed``, ``_cache``, ``_is_synced``,
@@ -157,6 +168,17 @@ PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     ("torch.distributed.pipelining.schedules", "_wait_batch_p2p"),
     ("torch.distributed.pipelining.schedules", "_PipelineSchedule._maybe_compute_loss"),
     ("torch.distributed.pipelining.schedules", "_PipelineSchedule._loss_fn"),
+    # torch: FSDP2 (_compat/torch.py; see "FSDP2" above)
+    ("torch.distributed.fsdp._fully_shard._fsdp_state", "FSDPState._fsdp_param_group"),
+    ("torch.distributed.fsdp._fully_shard._fsdp_state", "FSDPState._fsdp_param_groups"),
+    ("torch.distributed.fsdp._fully_shard._fsdp_state", "FSDPState._lazy_init"),
+    ("torch.distributed.fsdp._fully_shard._fsdp_state", "FSDPState._root_post_backward_final_callback"),
+    ("torch.distributed.fsdp._fully_shard._fsdp_param_group", "FSDPParamGroup.fsdp_params"),
+    ("torch.distributed.fsdp._fully_shard._fsdp_param_group", "FSDPParamGroup.post_backward"),
+    ("torch.distributed.fsdp._fully_shard._fsdp_param", "FSDPParam.sharded_param"),
+    ("torch.distributed.fsdp._fully_shard._fsdp_param", "FSDPParam.unsharded_param"),
+    ("torch.distributed.fsdp._fully_shard._fsdp_param", "FSDPParam.unsharded_accumulated_grad"),
+    ("torch.distributed.fsdp._fully_shard._fsdp_param", "FSDPParam._unsharded_param"),
     # torch: tensors and modules
     ("torch.utils._pytree", "tree_any"),  # _ghost.py
     ("torch.utils._pytree", "tree_map"),  # _ghost.py
@@ -170,6 +192,8 @@ PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     ("torch.nn", "Module._buffers"),  # _model/cut.py, _model/materialize.py, _model/structure.py
     ("torch.nn", "Module._modules"),  # _model/backbone.py
     ("torch.nn", "Module._non_persistent_buffers_set"),  # _model/cut.py
+    ("torch.nn", "Module._forward_pre_hooks"),  # _compat/torch.py: fsdp_hooks_suspended
+    ("torch.nn", "Module._forward_hooks"),  # _compat/torch.py: fsdp_hooks_suspended
     ("torch.nn.utils.prune", "_compute_nparams_toprune"),  # _lightning/callbacks.py
     ("torch.nn.utils.prune", "_validate_pruning_amount"),  # _lightning/callbacks.py
     ("torch.nn._reduction", "legacy_get_string"),  # _step/loss_weights.py
