@@ -14,10 +14,11 @@ rank (``mesh["data_parallel"]``; with HSDP, over ``data_parallel_shard`` and rep
 - The outside unit is a module that holds those modules and is never called (:class:`OutsideModules`), so FSDP's
   hooks never run for it: the step's own code runs those modules, on ghosts too (on the other stages, and to learn
   the batch size). The strategy unshards it before each step and reshards it after.
-- Gradients of every microbatch accumulate unsharded; after the schedule they are scaled by the step's loss weights
-  ([Note: token-weighted losses]: one replica's own, so before the replicas are averaged) and reduce-scattered,
-  unit by unit (``_step/gradients.py``), as torch's ``PipelineStage.perform_reduce_grad`` does. This reduction runs
-  after the schedule, not under the last backward: the weights are known only once the last microbatch's loss ran.
+- Gradients of every microbatch accumulate unsharded. In a stage's last full backward each block unit reduce-scatters
+  its own in FSDP's post-backward hook, after they are scaled by the step's loss weight ([Note: token-weighted
+  losses]: one replica's own, so before the replicas are averaged; see [Note: overlapped reductions]). The outside
+  unit, and every unit under a zero-bubble schedule, reduce after the schedule (``_step/gradients.py``), as torch's
+  ``PipelineStage.perform_reduce_grad`` does.
 - A parameter outside any unit (one registered on the LightningModule itself) stays replicated and is averaged
   over the replicas as in the replicated mode.
 - From the meta device, each block is materialised (with the seed that gives the unsplit model's values) and sharded
