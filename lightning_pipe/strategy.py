@@ -42,6 +42,7 @@ from typing_extensions import override
 
 from lightning_pipe import _watchdog
 from lightning_pipe._compat.lightning import count_replicas_in_throughput, init_process_group
+from lightning_pipe._compat.torch import parallel_styles_recorded
 from lightning_pipe._lightning import callbacks as _callbacks
 from lightning_pipe._lightning import data
 from lightning_pipe._lightning.options import DataParallel as _DataParallel
@@ -68,7 +69,7 @@ from lightning_pipe._model.shard import (
     shard_stage,
 )
 from lightning_pipe._model.split import previous_cut, refuse_unsupported, split_module
-from lightning_pipe._model.tensor_parallel import TensorParallelPlan, block_plan, check_plan, parallelize_block
+from lightning_pipe._model.tensor_parallel import Record, TensorParallelPlan, choose_plan
 from lightning_pipe._step.microbatches import MicrobatchPolicy
 from lightning_pipe._step.runtime import PipelineRuntime
 from lightning_pipe.checkpoint import _dcp, _files
@@ -217,6 +218,7 @@ class PipelineStrategy(ParallelStrategy):
         )
         self._sharding: Optional[StageSharding] = None
         self._scale_group: Optional[dist.ProcessGroup] = None
+        self._recorded_styles: list[Record] = []  # what `configure_model` asked `parallelize_module` for
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._device_mesh: Optional[DeviceMesh] = None
@@ -457,13 +459,16 @@ class PipelineStrategy(ParallelStrategy):
     def _tensor_parallel(self, cut: Cut) -> Optional[Callable[[nn.Module], None]]:
         """How to split one of this rank's blocks over its tensor ranks ([Note: tensor-parallel stages]), checked
         against the first block on every rank alike; ``None`` without tensor parallelism."""
-        plan = block_plan(self._options.tensor_parallel_plan, self.lightning_module)
-        if plan is None:
+        backbone = cut.backbone
+        blocks = [(backbone.blocks[i].name, backbone.module(i)) for i in range(len(backbone))]
+        split = choose_plan(
+            self._options.tensor_parallel_plan, self._recorded_styles, self.tensor_parallel_size,
+            self.lightning_module, blocks,
+        )
+        if split is None:
             return None
-        if isinstance(plan, dict):
-            check_plan(plan, cut.backbone.module(0), cut.backbone.blocks[0].name, self.tensor_parallel_size)
         tp_mesh = self.device_mesh["tensor_parallel"]
-        return lambda block: parallelize_block(plan, block, tp_mesh)
+        return lambda block: split(block, tp_mesh)
 
     def _adapt_to_cut(self, trainer: pl.Trainer, cut: Cut) -> None:
         """Callbacks learn this rank's share, summary and throughput count the whole model, samplers are chosen."""
@@ -560,9 +565,13 @@ class PipelineStrategy(ParallelStrategy):
     @contextmanager
     @override
     def model_sharded_context(self) -> Generator[None, None, None]:
-        """``configure_model`` builds on the meta device; each rank then materialises only its own stages."""
-        with torch.device("meta"):
+        """``configure_model`` builds on the meta device; each rank then materialises only its own stages. What it asks
+        ``parallelize_module`` for is recorded, and applied to each rank's own blocks after the cut ([Note:
+        tensor-parallel stages])."""
+        records: list[Record] = []
+        with torch.device("meta"), parallel_styles_recorded(lambda *record: records.append(record)):
             yield
+        self._recorded_styles = records
 
     @override
     def on_train_start(self) -> None:

@@ -8,6 +8,8 @@ One four-process launch runs every phase in a row (``tests/zoo_job.py``):
   the same under Interleaved1F1B with activation checkpointing; and pp1 x fsdp2 x tp2 (both replicas fed the whole
   batch, so one process is the reference);
 - Hugging Face Llama with its own ``base_model_tp_plan`` (``"auto"``), pp2 x tp2, AdamW (2e-4);
+- the hand-built Llama whose ``configure_model`` calls ``parallelize_module`` on its blocks itself, as for
+  Lightning's ``ModelParallelStrategy``, with no plan given to the strategy (1e-5);
 - the pp2 x tp2 checkpoint loaded without tensor parallelism (pp2 x ddp2) and on pp4, and consolidated;
 - a plan that names no module of the block: refused at setup on every rank.
 """
@@ -28,7 +30,7 @@ from test_models import assert_same_training, ranks, reference
 from torch.distributed.tensor.parallel import ColwiseParallel, SequenceParallel
 
 from lightning_pipe._lightning.options import validated_options
-from lightning_pipe._model.tensor_parallel import block_plan, check_plan
+from lightning_pipe._model.tensor_parallel import block_plan, check_plan, choose_plan, recorded_plan
 
 HERE = Path(__file__).resolve().parent
 TRAIN = {"max_epochs": 1, "gradient_clip_val": 0.5, "accumulate_grad_batches": 2}
@@ -48,6 +50,8 @@ def phases(work: Path) -> list[dict[str, Any]]:
         {"name": "llama_fsdp2_tp2", **LLAMA, "strategy": {
             **TP2, "pipeline_parallel_size": 1, "data_parallel": "fsdp"}},
         {"name": "hf_llama_auto", **HF, "strategy": {**TP2, "tensor_parallel_plan": "auto"}},
+        {"name": "llama_user_plan", **LLAMA, "model": "llama_tp_user",
+         "strategy": {**TP2, "tensor_parallel_plan": None}},
         {"name": "load_pp2_dp2", **LLAMA, "strategy": {"pipeline_parallel_size": 2, "num_microbatches": 4},
          "ckpt_path": ckpt},
         {"name": "load_pp4", **LLAMA, "strategy": {"pipeline_parallel_size": 4, "num_microbatches": 4},
@@ -79,7 +83,8 @@ def by_name(work: Path, name: str) -> dict[str, Any]:
 @pytest.mark.dist
 @pytest.mark.parametrize(
     ("name", "atol"),
-    [("llama_pp2_tp2", 1e-5), ("llama_interleaved_ac", 1e-5), ("llama_fsdp2_tp2", 1e-5), ("hf_llama_auto", 2e-4)],
+    [("llama_pp2_tp2", 1e-5), ("llama_interleaved_ac", 1e-5), ("llama_fsdp2_tp2", 1e-5), ("hf_llama_auto", 2e-4),
+     ("llama_user_plan", 1e-5)],
 )
 def test_tensor_parallel_stages_train_as_one_process(four, work, name, atol):
     phase = by_name(work, name)
@@ -136,5 +141,22 @@ def test_plans_are_read_and_checked_with_the_fix():
     block = zoo.LlamaBlock()
     with pytest.raises(ValueError, match="does not divide the 32 output features of `layers.0.wq`"):
         check_plan(block_plan({"wq": "colwise"}, zoo.make("llama_tp")), block, "layers.0", 3)
-    with pytest.raises(ValueError, match="needs `tensor_parallel_plan=`"):
-        validated_options(2, "auto", "auto", "1F1B", "auto", "auto", "uniform", False, None, tensor_parallel_size=2)
+    blocks = [("layers.0", block)]
+    with pytest.raises(ValueError, match="needs to know how to split each block"):
+        choose_plan(None, [], 2, zoo.make("llama_tp"), blocks)
+    with pytest.raises(ValueError, match="Keep one of them"):
+        choose_plan(zoo.LLAMA_TP_PLAN, [(ColwiseParallel(), block.wq, None)], 2, zoo.make("llama_tp"), blocks)
+    with pytest.raises(ValueError, match=r"tensor_parallel_plan=\.\.\.\)` needs `tensor_parallel_size` > 1"):
+        validated_options(2, "auto", "auto", "1F1B", "auto", "auto", "uniform", False, None,
+                          tensor_parallel_plan=zoo.LLAMA_TP_PLAN)
+
+
+def test_what_configure_model_asks_for_is_checked_like_a_plan():
+    model = zoo.make("llama_tp")
+    blocks = [(f"layers.{i}", layer) for i, layer in enumerate(model.layers)]
+    with pytest.raises(ValueError, match="outside the pipelined blocks"):
+        recorded_plan([(ColwiseParallel(), model.output, None)], model, blocks, 2)
+    with pytest.raises(ValueError, match="sequence-parallel plans are not supported"):
+        recorded_plan([(SequenceParallel(), model.layers[0].attention_norm, None)], model, blocks, 2)
+    with pytest.raises(ValueError, match="does not divide the 32 output features of `layers.1.wk`"):
+        recorded_plan([(ColwiseParallel(), model.layers[1].wk, None)], model, blocks, 3)

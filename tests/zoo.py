@@ -570,8 +570,24 @@ class LlamaTP(Lit):
         return F.cross_entropy(self(x).flatten(0, 1), y.flatten())
 
 
+class LlamaUserTP(LlamaTP):
+    """:class:`LlamaTP` whose ``configure_model`` splits its blocks itself, as Lightning's ``ModelParallelStrategy``
+    documentation teaches (``self.device_mesh["tensor_parallel"]``, ``parallelize_module``); a no-op on one device."""
+
+    def configure_model(self) -> None:
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        mesh = self.device_mesh
+        if mesh is None or "tensor_parallel" not in (mesh.mesh_dim_names or ()):
+            return
+        styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+        for layer in self.layers:
+            parallelize_module(layer, mesh["tensor_parallel"], {k: styles[v]() for k, v in LLAMA_TP_PLAN.items()})
+
+
 ZOO = {
     "llama_tp": LlamaTP,
+    "llama_tp_user": LlamaUserTP,
     "hf_llama": lambda **kw: HFCausalLM("llama", **kw),
     "hf_gpt2": lambda **kw: HFCausalLM("gpt2", **kw),
     "hf_llama_ft": lambda **kw: HFFineTuned("llama", **kw),

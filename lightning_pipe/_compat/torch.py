@@ -5,6 +5,8 @@ from __future__ import annotations
 import atexit
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Optional
 
 import torch
@@ -307,3 +309,33 @@ def fsdp_reduce_in_backward(unit: Any, around: Any) -> Any:
         fsdp_defer_reduction(unit)
 
     return undo
+
+
+# ---------------------------------------------------------------------------------------------- tensor parallelism
+@contextmanager
+def parallel_styles_recorded(record: Any) -> Iterator[None]:
+    """Within the block, ``parallelize_module`` (and every other use of torch's own ``ParallelStyle`` classes) records
+    ``record(style, module, device_mesh)`` instead of splitting the module: a ``configure_model`` written for
+    Lightning's ``ModelParallelStrategy`` runs before the pipeline cut, and the strategy applies what it asked for to
+    each rank's own blocks after it. ``parallelize_module`` applies a plan through each style's ``_apply(module,
+    device_mesh)``; the classes' ``_apply`` are swapped for the duration (torch 2.13 to 2.15)."""
+    from torch.distributed.tensor.parallel import style as styles
+
+    classes = [
+        c for c in vars(styles).values()
+        if isinstance(c, type) and issubclass(c, styles.ParallelStyle) and "_apply" in vars(c)
+        and c is not styles.ParallelStyle
+    ]
+    saved = {c: vars(c)["_apply"] for c in classes}
+
+    def recorded(self: Any, module: Any, device_mesh: Any) -> Any:
+        record(self, module, device_mesh)
+        return module
+
+    for c in classes:
+        c._apply = recorded  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        for c, original in saved.items():
+            c._apply = original  # type: ignore[attr-defined]

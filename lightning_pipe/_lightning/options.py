@@ -126,14 +126,6 @@ def validated_options(
     tp = tensor_parallel_size
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise ValueError(f"`PipelineStrategy(tensor_parallel_size={tp!r})` must be a positive integer (1: none).")
-    if tp > 1 and tensor_parallel_plan is None:
-        raise ValueError(
-            f"`PipelineStrategy(tensor_parallel_size={tp})` needs `tensor_parallel_plan=`: a `parallelize_module`"
-            " plan relative to one block (`{'attn.q_proj': 'colwise', 'attn.o_proj': 'rowwise', ...}`), a callable"
-            " `(block, tp_mesh) -> None`, or 'auto' for a Hugging Face model's own plan. The strategy applies it to"
-            " each rank's own blocks after the pipeline cut; a `configure_model` that splits the whole model itself"
-            " is not supported yet."
-        )
     if tp == 1 and tensor_parallel_plan is not None:
         raise ValueError(
             "`PipelineStrategy(tensor_parallel_plan=...)` needs `tensor_parallel_size` > 1 (the processes that split"

@@ -113,19 +113,55 @@ def check_plan(styles: dict, block: nn.Module, block_name: str, size: int) -> No
                 f" {children}). Plan keys are paths within one block, as `block.named_modules()` gives them."
             )
         for name in matched:
-            linear = modules[name]
-            if not isinstance(linear, nn.Linear):
-                continue
-            split, what = (
-                (linear.out_features, "output features") if isinstance(style, ColwiseParallel)
-                else (linear.in_features, "input features")
+            _check_split(f"{block_name}.{name}", modules[name], style, size)
+
+
+def _check_split(name: str, module: nn.Module, style: Any, size: int) -> None:
+    if not isinstance(module, nn.Linear) or not isinstance(style, (ColwiseParallel, RowwiseParallel)):
+        return
+    split, what = (
+        (module.out_features, "output features") if isinstance(style, ColwiseParallel)
+        else (module.in_features, "input features")
+    )
+    if split % size:
+        raise ValueError(
+            f"`tensor_parallel_size={size}` does not divide the {split} {what} of `{name}` ({type(style).__name__})."
+            " Pick a tensor_parallel_size that divides the hidden and head sizes, or leave the module out of the"
+            " tensor-parallel plan."
+        )
+
+
+#: ``(style, module, device_mesh)``: what a ``configure_model`` asked ``parallelize_module`` for.
+Record = tuple[ParallelStyle, nn.Module, DeviceMesh]
+
+
+def recorded_plan(records: list[Record], module: nn.Module, blocks: list[tuple[str, nn.Module]], size: int) -> Callable:
+    """What the user's ``configure_model`` asked ``parallelize_module`` for, as a callable ``(block, tp_mesh)`` that
+    applies it to one block; checked on every rank alike (the records are): each split module lies inside a backbone
+    block, no style shards an activation, and the sizes divide. Raises ``ValueError`` naming the fix."""
+    names = {id(m): n for n, m in module.named_modules()}
+    owner: dict[int, str] = {}
+    for block_name, block in blocks:
+        for sub in block.modules():
+            owner[id(sub)] = block_name
+    for style, target, _ in records:
+        name = names.get(id(target), type(target).__name__)
+        if id(target) not in owner:
+            raise ValueError(
+                f"`configure_model` splits `{name}` over the tensor-parallel ranks ({type(style).__name__}), but it is"
+                " outside the pipelined blocks. Under `PipelineStrategy` the modules outside the backbone (embedding,"
+                " final norm, head) stay replicated over the tensor ranks: leave them out of the plan."
             )
-            if split % size:
-                raise ValueError(
-                    f"`tensor_parallel_size={size}` does not divide the {split} {what} of `{block_name}.{name}`"
-                    f" ({type(style).__name__}). Pick a tensor_parallel_size that divides the hidden and head sizes,"
-                    " or leave the module out of `tensor_parallel_plan`."
-                )
+        _refuse_sequence_parallel(name, style)
+        _check_split(name, target, style, size)
+
+    def apply(block: nn.Module, mesh: DeviceMesh) -> None:
+        inside = {id(m) for m in block.modules()}
+        for style, target, device_mesh in records:
+            if id(target) in inside:
+                type(style)._apply(style, target, device_mesh)
+
+    return apply
 
 
 def parallelize_block(plan: Union[dict, Callable], block: nn.Module, mesh: DeviceMesh) -> None:
@@ -134,3 +170,37 @@ def parallelize_block(plan: Union[dict, Callable], block: nn.Module, mesh: Devic
         parallelize_module(block, mesh, dict(plan))
     else:
         plan(block, mesh)
+
+
+def choose_plan(
+    plan: TensorParallelPlan, records: list[Record], size: int, module: nn.Module, blocks: list[tuple[str, nn.Module]]
+) -> Optional[Callable[[nn.Module, DeviceMesh], None]]:
+    """How to split one of this rank's blocks: from ``tensor_parallel_plan``, or from what the user's
+    ``configure_model`` asked ``parallelize_module`` for (``records``); ``None`` without tensor parallelism. The same
+    on every rank; raises ``ValueError`` naming the fix."""
+    if size == 1:
+        if records:
+            raise ValueError(
+                "`configure_model` calls `parallelize_module`, but `PipelineStrategy(tensor_parallel_size=1)` gives"
+                " it no tensor ranks. Set `tensor_parallel_size` to the processes that split each block."
+            )
+        return None
+    if plan is not None:
+        if records:
+            raise ValueError(
+                "Both `PipelineStrategy(tensor_parallel_plan=...)` and `configure_model` (through `parallelize_module`)"
+                " say how to split the blocks. Keep one of them."
+            )
+        styles = block_plan(plan, module)
+        assert styles is not None
+        if isinstance(styles, dict):
+            check_plan(styles, blocks[0][1], blocks[0][0], size)
+        return lambda block, mesh: parallelize_block(styles, block, mesh)
+    if records:
+        return recorded_plan(records, module, blocks, size)
+    raise ValueError(
+        f"`PipelineStrategy(tensor_parallel_size={size})` needs to know how to split each block: pass"
+        " `tensor_parallel_plan=` (a `parallelize_module` plan relative to one block, a callable `(block, tp_mesh)`,"
+        " or 'auto' for a Hugging Face model's own plan), or call `parallelize_module` on the blocks in"
+        " `configure_model` with `self.device_mesh['tensor_parallel']`, as for Lightning's `ModelParallelStrategy`."
+    )
