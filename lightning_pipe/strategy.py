@@ -488,6 +488,7 @@ class PipelineStrategy(ParallelStrategy):
         if self._options.data_parallel != "ddp":
             self._sharding = cut.sharding if self._reused(cut, "sharding") else self._shard(cut)
             cut.sharding, cut.prepared_by = self._sharding, self
+            cut.tensor_parallel = self.tensor_parallel_size > 1
         self.model = self.precision_plugin.convert_module(self.lightning_module)
         cut.convert_ghosts(self.pipeline_rank, self.precision_plugin.convert_module)
         self.model_to_device()
@@ -519,6 +520,7 @@ class PipelineStrategy(ParallelStrategy):
             amp_scaler=getattr(self.precision_plugin, "scaler", None), timeline=options.timeline,
             check_data_every=options.check_data_every_n_batches, sharding=self._sharding,
             scale_group=self._scale_group,
+            tensor_group=mesh.get_group("tensor_parallel") if self.tensor_parallel_size > 1 else None,
         )
         assert isinstance(self.precision_plugin, PipelinePrecision)
         counted_once = {id(p) for group, params in ties for p in params if dist.get_rank(group) != 0}

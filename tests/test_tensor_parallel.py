@@ -10,6 +10,9 @@ One four-process launch runs every phase in a row (``tests/zoo_job.py``):
 - Hugging Face Llama with its own ``base_model_tp_plan`` (``"auto"``), pp2 x tp2, AdamW (2e-4);
 - the hand-built Llama whose ``configure_model`` calls ``parallelize_module`` on its blocks itself, as for
   Lightning's ``ModelParallelStrategy``, with no plan given to the strategy (1e-5);
+- nanoGPT (its head tied to the embedding across the end stages; biased MLP layers split, attention whole) under
+  InterleavedZeroBubble: the weights left whole stay identical on every tensor rank (their gradients are averaged
+  over the tensor ranks);
 - the pp2 x tp2 checkpoint loaded without tensor parallelism (pp2 x ddp2) and on pp4, and consolidated;
 - a plan that names no module of the block: refused at setup on every rank.
 """
@@ -52,6 +55,9 @@ def phases(work: Path) -> list[dict[str, Any]]:
         {"name": "hf_llama_auto", **HF, "strategy": {**TP2, "tensor_parallel_plan": "auto"}},
         {"name": "llama_user_plan", **LLAMA, "model": "llama_tp_user",
          "strategy": {**TP2, "tensor_parallel_plan": None}},
+        {"name": "nanogpt_tied_zb", "model": "nanogpt", "data": {"n": 32, "batch_size": 8}, "trainer": TRAIN,
+         "strategy": {**TP2, "schedule": "InterleavedZeroBubble",
+                      "tensor_parallel_plan": {"mlp.c_fc": "colwise", "mlp.c_proj": "rowwise"}}},
         {"name": "load_pp2_dp2", **LLAMA, "strategy": {"pipeline_parallel_size": 2, "num_microbatches": 4},
          "ckpt_path": ckpt},
         {"name": "load_pp4", **LLAMA, "strategy": {"pipeline_parallel_size": 4, "num_microbatches": 4},
@@ -84,7 +90,7 @@ def by_name(work: Path, name: str) -> dict[str, Any]:
 @pytest.mark.parametrize(
     ("name", "atol"),
     [("llama_pp2_tp2", 1e-5), ("llama_interleaved_ac", 1e-5), ("llama_fsdp2_tp2", 1e-5), ("hf_llama_auto", 2e-4),
-     ("llama_user_plan", 1e-5)],
+     ("llama_user_plan", 1e-5), ("nanogpt_tied_zb", 1e-5)],
 )
 def test_tensor_parallel_stages_train_as_one_process(four, work, name, atol):
     phase = by_name(work, name)

@@ -40,6 +40,10 @@ class Gradients:
         sharding: this rank's FSDP units, when the stages are sharded: their gradients accumulate unsharded during
             the schedule and are reduce-scattered by :meth:`synchronise` ([Note: sharded stages]); the parameters
             outside every unit are averaged as replicated ones.
+        tensor_group: this rank's tensor-parallel group, with tensor parallelism: the gradients of the parameters not
+            split over it (norms, embeddings, whatever the plan leaves whole) are averaged over it, so that their
+            copies stay identical on every tensor rank (each rank computes them, and a biased row-wise layer can
+            make them differ in the last bit).
     """
 
     def __init__(
@@ -48,8 +52,10 @@ class Gradients:
         replica_group: Optional[dist.ProcessGroup] = None,
         tie_groups: Sequence[tuple[dist.ProcessGroup, list[nn.Parameter]]] = (),
         sharding: Optional[StageSharding] = None,
+        tensor_group: Optional[dist.ProcessGroup] = None,
     ) -> None:
         self.module = module
+        self.tensor_group = tensor_group
         self.replica_group = replica_group
         self.tie_groups = list(tie_groups)
         self.sharding = sharding
@@ -94,6 +100,11 @@ class Gradients:
                 _all_reduce(todo, self.replica_group, average=True)
         if self.sharding is not None:
             kept.update(self._reduce_sharded(scale, span, overlap.reduced_units if overlap is not None else set()))
+        if self.tensor_group is not None:
+            whole = [g for g in kept.values() if not _split_over_tensor_ranks(g)]
+            if whole:
+                with span("all-reduce over tensor ranks"):
+                    _all_reduce(whole, self.tensor_group, average=True)
         for group, shared in self.tie_groups:
             # Every copy takes part (the same sizes on every rank); a frozen copy gets its gradient dropped after.
             grads = [kept.get(p) if p in kept else torch.zeros_like(p) for p in shared]
@@ -132,6 +143,10 @@ class Gradients:
 
     def discard(self) -> None:
         self._pending = None
+
+
+def _split_over_tensor_ranks(grad: Tensor) -> bool:
+    return isinstance(grad, DTensor) and "tensor_parallel" in (grad.device_mesh.mesh_dim_names or ())
 
 
 def _all_reduce(tensors: list[Tensor], group: dist.ProcessGroup, average: bool) -> None:

@@ -85,6 +85,7 @@ class PipelineRuntime:
         sharding: this rank's FSDP units when the stages are sharded over their replicas ([Note: sharded stages]).
         scale_group: a second group over this rank's pipeline, which carries each step's loss weight to every stage
             during the schedule ([Note: overlapped reductions]); ``None`` with one process per pipeline.
+        tensor_group: this rank's tensor-parallel group (``None`` without tensor parallelism): see :class:`Gradients`.
     """
 
     def __init__(
@@ -103,6 +104,7 @@ class PipelineRuntime:
         check_data_every: Optional[int] = None,
         sharding: Optional[StageSharding] = None,
         scale_group: Optional[dist.ProcessGroup] = None,
+        tensor_group: Optional[dist.ProcessGroup] = None,
     ) -> None:
         self.module = module
         self.sharding = sharding
@@ -136,7 +138,7 @@ class PipelineRuntime:
         self.pipeline.check_schedule()
         channel = (pp_group, self.pipeline.last_stage_rank, layout.pipeline_size, device)
         self._train_channel, self._eval_channel = LogChannel(*channel), LogChannel(*channel)
-        self.gradients = Gradients(module, replicas, tie_groups, sharding)
+        self.gradients = Gradients(module, replicas, tie_groups, sharding, tensor_group)
         self._timeline_done = False
         self._trainable_checked: Optional[int] = None
         self._mean_warned = False
@@ -283,13 +285,14 @@ class PipelineRuntime:
         if received is not None:
             ghost_in = Ghost(torch.empty(received[0], dtype=received[1], device="meta"), self.device)
         dtypes = self.sharding.compute_dtypes() if self.sharding is not None else None
-        with torch.no_grad(), everything_ghosted(module, self.device, dtypes), \
-                metrics_set_aside(module_metrics(module)), fsdp_hooks_suspended(module):
-            try:
-                out = program.run_stage(stage, rows, ghost_in, probing=True)
-                return tuple(out.shape), out.dtype
-            except (GhostValueError, NotImplementedError, RuntimeError) as err:
-                log.debug("stage %d does not run on ghosts (%s): measuring its shapes for real", stage, err)
+        if not self.cut.tensor_parallel:  # DTensor's hooks and ops cannot run on ghosts: probed for real
+            with torch.no_grad(), everything_ghosted(module, self.device, dtypes), \
+                    metrics_set_aside(module_metrics(module)), fsdp_hooks_suspended(module):
+                try:
+                    out = program.run_stage(stage, rows, ghost_in, probing=True)
+                    return tuple(out.shape), out.dtype
+                except (GhostValueError, NotImplementedError, RuntimeError) as err:
+                    log.debug("stage %d does not run on ghosts (%s): measuring its shapes for real", stage, err)
         real_in = None if received is None else torch.zeros(received[0], dtype=received[1], device=self.device)
         with torch.no_grad(), untouched(module, self.device):
             out = program.run_stage(stage, rows, real_in)
