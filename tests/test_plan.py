@@ -17,6 +17,7 @@ from lightning_pipe.plan import (
     plan_for_module,
     plan_pipeline,
     search_plans,
+    tensor_parallel_sizes,
     valid_num_microbatches,
 )
 from lightning_pipe.plan._cli import main
@@ -175,6 +176,124 @@ def test_parse_and_format_bytes():
     assert format_bytes(10) == "10 B"
 
 
+# ------------------------------------------------------------------ tensor parallelism
+def test_without_devices_per_node_there_is_no_tensor_parallelism():
+    assert tensor_parallel_sizes(8, None) == [1]
+    costs, weights, acts = [1.0] * 8, [1e9] * 8, [1e6] * 8
+    for budget in (None, 9e9, 5e9):
+        plans = search_plans(costs, 32, 8, param_bytes=weights, activation_bytes=acts, memory_budget=budget)
+        assert {p.tensor_parallel_size for p in plans} == {1}
+    # with room to spare, tensor parallelism is only slower (its communication) than data parallelism
+    plan = plan_pipeline(costs, 32, 8, param_bytes=weights, activation_bytes=acts, devices_per_node=8)
+    assert (plan.pipeline_parallel_size, plan.data_parallel_size, plan.tensor_parallel_size) == (1, 8, 1)
+
+
+def test_tensor_parallelism_fits_blocks_too_large_for_a_stage():
+    # 4 blocks of 1 GB; Adam: 4 GB each, over a 3 GB budget even with a block per stage
+    costs, weights, acts = [1.0] * 4, [1e9] * 4, [1e6] * 4
+    kwargs = dict(param_bytes=weights, activation_bytes=acts, memory_budget=3e9)
+    with pytest.raises(ValueError, match="devices_per_node"):
+        plan_pipeline(costs, 32, 8, **kwargs)
+    plan = plan_pipeline(costs, 32, 8, devices_per_node=8, **kwargs)
+    t, p = plan.tensor_parallel_size, plan.pipeline_parallel_size
+    assert t > 1 and plan.fits and plan.predicted_memory_per_device <= 3e9
+    assert p * plan.data_parallel_size * t == plan.devices == 8
+    # pipeline 4 x tensor 2 beats pipeline 2 x tensor 4 (which also fits): a smaller share of communication
+    assert (p, t, plan.schedule) == (4, 2, "1F1B")
+    # each process holds 1/t of its stage's weights (and their gradients and Adam moments); activations are whole
+    assert plan.state_memory == pytest.approx(max(_stage_costs(weights, plan.balance)) / t * 4)
+    b, m = plan.batch_size_per_replica, plan.num_microbatches
+    assert plan.activation_memory == pytest.approx(min(m, p) * _stage_costs(acts, plan.balance)[0] * b / m)
+    # 1/t of the compute, plus 10% of it times (t-1)/t for the all-reduces
+    scale = (1 + 0.1 * (t - 1)) / t
+    assert list(plan.stage_costs) == pytest.approx([c * scale for c in _stage_costs(costs, plan.balance)])
+    overhead = 0.01 * plan.ideal_step_time
+    assert plan.predicted_step_time == pytest.approx((m + p - 1) * (max(plan.stage_costs) * b / m + overhead))
+    assert plan.ideal_step_time == pytest.approx(4 * 32 / 8)
+
+
+def test_tensor_parallel_overhead_is_a_parameter():
+    plans = search_plans([1.0] * 8, 64, 8, devices_per_node=8, microbatch_overhead=0.0, tensor_parallel_overhead=0.5)
+    by_key = {(q.pipeline_parallel_size, q.tensor_parallel_size, q.schedule, q.num_microbatches): q for q in plans}
+    plan = by_key[(2, 4, "1F1B", 16)]
+    assert plan.data_parallel_size == 1 and plan.stage_costs == pytest.approx((4 * 2.5 / 4,) * 2)
+    assert plan.predicted_step_time == pytest.approx((16 + 1) * 2.5 * 64 / 16)
+    with pytest.raises(ValueError, match="tensor_parallel_overhead"):
+        search_plans([1.0] * 8, 64, 8, devices_per_node=8, tensor_parallel_overhead=-1)
+
+
+@pytest.mark.parametrize(
+    "devices, per_node, limit, divisor, expected",
+    [
+        (16, 8, 8, None, [1, 2, 4, 8]),
+        (16, 8, 4, None, [1, 2, 4]),  # max_tensor_parallel
+        (16, 4, 8, 6, [1, 2]),  # the divisor (e.g. 6 attention heads) rules out 4
+        (12, 6, 8, None, [1, 2]),  # powers of two that divide the node
+        (4, 8, 8, None, [1, 2, 4]),  # and the device count
+        (8, 8, 8, 1, [1]),
+    ],
+)
+def test_tensor_parallel_sizes(devices, per_node, limit, divisor, expected):
+    assert tensor_parallel_sizes(devices, per_node, limit, divisor) == expected
+
+
+def test_tensor_parallel_size_stays_in_the_node_and_divides_the_heads():
+    weights, acts = [1e9] * 8, [1e6] * 8
+    cases = [(16, 4, None, None), (16, 8, 6, 4e9), (16, 8, 12, 3e9), (24, 8, 4, None)]
+    for devices, per_node, divisor, budget in cases:
+        plans = search_plans(
+            [1.0] * 8,
+            48,
+            devices,
+            param_bytes=weights,
+            activation_bytes=acts,
+            memory_budget=budget,
+            devices_per_node=per_node,
+            tensor_divisor=divisor,
+        )
+        sizes = {q.tensor_parallel_size for q in plans}
+        if budget is None:
+            assert sizes == set(tensor_parallel_sizes(devices, per_node, 8, divisor))
+        else:
+            assert 1 not in sizes  # a block per stage does not fit: only tensor parallelism does
+        for q in plans:
+            t = q.tensor_parallel_size
+            assert t <= per_node and per_node % t == 0 and (divisor is None or divisor % t == 0)
+            assert q.pipeline_parallel_size * q.data_parallel_size * t == devices
+    with pytest.raises(ValueError, match="devices_per_node"):
+        search_plans([1.0] * 8, 48, 8, devices_per_node=0)
+    with pytest.raises(ValueError, match="tensor_divisor"):
+        search_plans([1.0] * 8, 48, 8, devices_per_node=8, tensor_divisor=0)
+
+
+def test_strategy_arguments_name_tensor_parallel_size_only_when_used():
+    fields = dict(
+        pipeline_parallel_size=2,
+        data_parallel_size=2,
+        num_microbatches=8,
+        schedule="1F1B",
+        stages_per_rank=1,
+        balance=(2, 2),
+        predicted_bubble=1 / 9,
+        predicted_step_time=9.0,
+        predicted_memory_per_device=None,
+        global_batch_size=16,
+        ideal_step_time=8.0,
+        stage_costs=(2.0, 2.0),
+    )
+    plain, tensor = Plan(**fields), Plan(**fields, tensor_parallel_size=2)
+    assert plain.tensor_parallel_size == 1 and plain.devices == 4 and tensor.devices == 8
+    assert "tensor_parallel_size" not in plain.strategy_kwargs()
+    assert "tensor" not in plain.strategy_line() + plain.yaml_snippet() + plain.describe()
+    names = ["pipeline_parallel_size", "data_parallel_size", "tensor_parallel_size"]
+    assert list(tensor.strategy_kwargs())[:3] == names
+    assert tensor.strategy_kwargs()["tensor_parallel_size"] == 2
+    assert "data_parallel_size=2, tensor_parallel_size=2, num_microbatches=8" in tensor.strategy_line()
+    assert "      tensor_parallel_size: 2\n" in tensor.yaml_snippet()
+    assert tensor.describe().startswith("pipeline 2 x data-parallel 2 x tensor-parallel 2 (8 devices)")
+    assert tensor.batch_size_per_replica == plain.batch_size_per_replica == 8
+
+
 # ------------------------------------------------------------------ num_microbatches="auto"
 @pytest.mark.parametrize(
     "batch, pp, spr, expected",
@@ -273,6 +392,15 @@ def test_cli_in_process(tmp_path, capsys):
     assert main(["--config", config, "--devices", "8", "--memory-budget", "1KiB"]) == 2
     err = capsys.readouterr().err
     assert "No plan fits the memory budget" in err and "1024 bytes" in err
+
+    # 100 KiB needs tensor parallelism: the table gets a `tp` column and the strategy line its size
+    small = ["--config", config, "--input-shape", "8", "--input-dtype", "long", "--memory-budget", "100KiB"]
+    assert main(small) == 2
+    assert "No plan fits" in capsys.readouterr().err
+    assert main([*small, "--max-tensor-parallel", "4"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[3].split()[:3] == ["pp", "dp", "tp"]
+    assert "tensor_parallel_size=" in out and "      tensor_parallel_size: " in out
 
     with pytest.raises(SystemExit) as info:
         main(["--help"])

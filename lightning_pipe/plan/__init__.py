@@ -1,5 +1,6 @@
 """A planner for :class:`~lightning_pipe.PipelineStrategy`: which pipeline size, schedule, microbatch count and
-stage split to use for a backbone on a given number of devices.
+stage split (and, given the devices per node, tensor-parallel size) to use for a backbone on a given number of
+devices.
 
 The cost model and the search are pure Python (no ``torch.distributed``, no processes): they take a cost per
 backbone module and, optionally, its parameter and activation bytes, and rank every candidate plan by predicted
@@ -18,7 +19,10 @@ of a per-replica batch ``b`` (global batch ``B = b * data_parallel_size``):
 * bubble ``(p - 1) / (v*m + p - 1)``: the idle fraction of the step;
 * memory of a process: its parameter bytes times ``1 + optimizer_multiplier`` (gradients and optimizer state;
   3 for Adam) plus the activations of the microbatches in flight: ``min(m, p - r)`` on pipeline rank ``r`` for
-  1F1B, ``m`` for GPipe, and torch's warm-up count for Interleaved1F1B.
+  1F1B, ``m`` for GPipe, and torch's warm-up count for Interleaved1F1B;
+* tensor parallelism over ``t`` processes of a node (``devices_per_node`` given; ``p * data_parallel_size * t``
+  devices): every module costs ``(1 + tensor_parallel_overhead * (t - 1)) / t`` of its cost and holds ``1 / t`` of
+  its parameter bytes; activations stay whole.
 """
 
 from lightning_pipe._step.microbatches import (
@@ -29,7 +33,13 @@ from lightning_pipe._step.microbatches import (
 )
 from lightning_pipe.plan._model import backbone_profile, measure_activation_bytes
 from lightning_pipe.plan._result import Plan, format_bytes, parse_bytes
-from lightning_pipe.plan._search import PLANNED_SCHEDULES, plan_for_module, plan_pipeline, search_plans
+from lightning_pipe.plan._search import (
+    PLANNED_SCHEDULES,
+    plan_for_module,
+    plan_pipeline,
+    search_plans,
+    tensor_parallel_sizes,
+)
 
 __all__ = [
     "PLANNED_SCHEDULES",
@@ -44,5 +54,6 @@ __all__ = [
     "plan_for_module",
     "plan_pipeline",
     "search_plans",
+    "tensor_parallel_sizes",
     "valid_num_microbatches",
 ]

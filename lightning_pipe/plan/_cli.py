@@ -38,6 +38,9 @@ PipelineStrategy's default of one pipeline over all devices). --global-batch-siz
 
 Costs are parameter counts unless --costs gives measured forward+backward times per sample, one per backbone
 module. Predicted times are relative: compare plans, not seconds. See docs/planner.md for the model.
+
+With --max-tensor-parallel T, tensor-parallel sizes up to T (powers of two dividing the devices per node and
+--tensor-divisor, e.g. the attention head count) are considered too.
 """
 
 _EPILOG = """\
@@ -99,9 +102,27 @@ def _build_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--schedules", default=",".join(PLANNED_SCHEDULES), help="comma-separated schedules to consider."
     )
+    parser.add_argument(
+        "--max-tensor-parallel",
+        type=int,
+        default=1,
+        help="consider tensor-parallel sizes up to this, inside a node (default 1: no tensor parallelism).",
+    )
+    parser.add_argument(
+        "--tensor-divisor", type=int, help="a number every tensor-parallel size must divide (the attention heads)."
+    )
+    parser.add_argument(
+        "--tensor-parallel-overhead",
+        type=float,
+        default=0.1,
+        help="tensor-parallel communication, as a fraction of a module's cost times (T-1)/T.",
+    )
     parser.add_argument("--model-class", help="class path of the model when the config's `model` has no class_path.")
     parser.add_argument(
-        "--top", type=int, default=8, help="how many plans to list (the best per pipeline size and schedule)."
+        "--top",
+        type=int,
+        default=8,
+        help="how many plans to list (the best per pipeline size, tensor-parallel size and schedule).",
     )
     return parser
 
@@ -154,7 +175,8 @@ def _instantiate_model(model_config: Any, model_class: Optional[str]) -> tuple[n
     return model, on_meta
 
 
-def _devices(trainer: dict[str, Any], devices: Optional[int], num_nodes: Optional[int]) -> int:
+def _devices(trainer: dict[str, Any], devices: Optional[int], num_nodes: Optional[int]) -> tuple[int, int]:
+    """``(devices per node, devices in all)``."""
     if devices is None:
         value = trainer.get("devices")
         if isinstance(value, (list, tuple)):
@@ -166,7 +188,7 @@ def _devices(trainer: dict[str, Any], devices: Optional[int], num_nodes: Optiona
         else:
             raise SystemExit(f"error: cannot tell the device count from trainer.devices={value!r}; give --devices N.")
     nodes = num_nodes if num_nodes is not None else int(trainer.get("num_nodes") or 1)
-    return devices * nodes
+    return devices, devices * nodes
 
 
 def _current_replicas(strategy: Any, devices: int) -> int:
@@ -204,9 +226,11 @@ def _parse_costs(text: str) -> Union[str, list[float]]:
 
 def _table(plans: Sequence[Plan]) -> str:
     best = plans[0].predicted_step_time
+    tensor = any(plan.tensor_parallel_size > 1 for plan in plans)  # the column only when it says something
     header = [
         "pp",
         "dp",
+        *(["tp"] if tensor else []),
         "schedule",
         "v",
         "micro",
@@ -223,6 +247,7 @@ def _table(plans: Sequence[Plan]) -> str:
             [
                 str(plan.pipeline_parallel_size),
                 str(plan.data_parallel_size),
+                *([str(plan.tensor_parallel_size)] if tensor else []),
                 plan.schedule,
                 str(plan.stages_per_rank),
                 str(plan.num_microbatches),
@@ -246,7 +271,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if "model" not in config:
         raise SystemExit(f"error: {args.config} has no `model` section.")
     trainer = config.get("trainer") or {}
-    devices = _devices(trainer, args.devices, args.num_nodes)
+    per_node, devices = _devices(trainer, args.devices, args.num_nodes)
     strategy = trainer.get("strategy")
     backbone = args.backbone
     if backbone is None and isinstance(strategy, dict):
@@ -292,16 +317,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             schedules=[s.strip() for s in args.schedules.split(",") if s.strip()],
             optimizer_multiplier=args.optimizer_multiplier,
             microbatch_overhead=args.microbatch_overhead,
+            devices_per_node=per_node if args.max_tensor_parallel > 1 else None,
+            max_tensor_parallel=args.max_tensor_parallel,
+            tensor_divisor=args.tensor_divisor,
+            tensor_parallel_overhead=args.tensor_parallel_overhead,
         )
     except (ValueError, AttributeError, TypeError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
 
     shown: list[Plan] = []
-    seen: set[tuple[int, str]] = set()
-    for plan in plans:  # the best microbatch count of each (pipeline size, schedule)
-        if (plan.pipeline_parallel_size, plan.schedule) not in seen:
-            seen.add((plan.pipeline_parallel_size, plan.schedule))
+    seen: set[tuple[int, int, str]] = set()
+    for plan in plans:  # the best microbatch count of each (pipeline size, tensor-parallel size, schedule)
+        key = (plan.pipeline_parallel_size, plan.tensor_parallel_size, plan.schedule)
+        if key not in seen:
+            seen.add(key)
             shown.append(plan)
     shown = shown[: max(1, args.top)]
     name = type(model).__name__

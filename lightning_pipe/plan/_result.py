@@ -21,6 +21,10 @@ class Plan:
     Times are in the units of the costs given (e.g. seconds if the costs are seconds per sample, or
     "parameter-samples" when parameter counts stand in for time); only ratios between plans mean something.
     Memory is in bytes per device, or ``None`` when no byte counts were given.
+
+    With ``tensor_parallel_size`` ``T > 1``, each backbone block is split over ``T`` consecutive processes:
+    ``stage_costs`` are then what one of them computes per sample (``1/T`` of the block, plus the tensor-parallel
+    communication) and ``state_memory`` counts its ``1/T`` of the weights; activations are whole on every process.
     """
 
     pipeline_parallel_size: int
@@ -38,10 +42,11 @@ class Plan:
     state_memory: Optional[float] = None
     activation_memory: Optional[float] = None
     fits: bool = True
+    tensor_parallel_size: int = 1
 
     @property
     def devices(self) -> int:
-        return self.pipeline_parallel_size * self.data_parallel_size
+        return self.pipeline_parallel_size * self.data_parallel_size * self.tensor_parallel_size
 
     @property
     def num_stages(self) -> int:
@@ -62,13 +67,16 @@ class Plan:
         return self.ideal_step_time / self.predicted_step_time if self.predicted_step_time else 1.0
 
     def strategy_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments of ``PipelineStrategy`` that run this plan."""
+        """Keyword arguments of ``PipelineStrategy`` that run this plan (``tensor_parallel_size`` only when it is
+        more than 1: the strategy's default is none, and a plan without it reads as before)."""
         kwargs: dict[str, Any] = {
             "pipeline_parallel_size": self.pipeline_parallel_size,
             "data_parallel_size": self.data_parallel_size,
-            "num_microbatches": self.num_microbatches,
-            "schedule": self.schedule,
         }
+        if self.tensor_parallel_size > 1:
+            kwargs["tensor_parallel_size"] = self.tensor_parallel_size
+        kwargs["num_microbatches"] = self.num_microbatches
+        kwargs["schedule"] = self.schedule
         if schedule_spec(self.schedule).multi_stage:
             kwargs["stages_per_rank"] = self.stages_per_rank
         kwargs["balance"] = list(self.balance)
@@ -104,13 +112,15 @@ class Plan:
         """A few lines a person can read: the layout, the predictions and the ``PipelineStrategy`` call."""
         per_rank = _plural(self.stages_per_rank, "stage")
         micro = _plural(self.num_microbatches, "microbatch", "microbatches")
+        tensor = f" x tensor-parallel {self.tensor_parallel_size}" if self.tensor_parallel_size > 1 else ""
         lines = [
-            f"pipeline {self.pipeline_parallel_size} x data-parallel {self.data_parallel_size}"
+            f"pipeline {self.pipeline_parallel_size} x data-parallel {self.data_parallel_size}{tensor}"
             f" ({self.devices} devices), schedule {self.schedule}, {per_rank} per process",
             f"  {micro} of {_plural(self.microbatch_size, 'sample')} (batch {self.batch_size_per_replica}"
             f" per replica, {self.global_batch_size} global)",
             f"  modules per stage: {list(self.balance)}; slowest stage costs {_num(max(self.stage_costs, default=0))}"
-            f" per sample (stages: {', '.join(_num(c) for c in self.stage_costs)})",
+            f" per sample{' per tensor rank' if tensor else ''}"
+            f" (stages: {', '.join(_num(c) for c in self.stage_costs)})",
             f"  predicted bubble {self.predicted_bubble:.1%}, step time {_num(self.predicted_step_time)}"
             f" ({self.efficiency:.0%} of ideal scaling)",
         ]
@@ -127,7 +137,7 @@ class Plan:
                 )
                 + ("" if self.fits else "  OVER BUDGET")
             )
-        if self.pipeline_parallel_size == 1:
+        if self.pipeline_parallel_size == 1 and self.tensor_parallel_size == 1:
             lines.append("  (a pipeline of one process is plain data parallelism: DDP runs it just as well)")
         lines.append(f"  {self.strategy_line()}")
         return "\n".join(lines)

@@ -1,5 +1,6 @@
-"""The planner's search: every candidate plan of pipeline size, schedule, microbatch count and stage split, ranked
-by the cost model described in :mod:`lightning_pipe.plan` (and ``docs/planner.md``).
+"""The planner's search: every candidate plan of pipeline size, schedule, microbatch count, stage split and (when
+the devices per node are given) tensor-parallel size, ranked by the cost model described in
+:mod:`lightning_pipe.plan` (and ``docs/planner.md``).
 
 The rest of the planner: ``_result`` (:class:`Plan`, byte sizes), ``_model`` (measuring a module) and ``_cli`` (the
 command line); the ``"auto"`` microbatch rule is the strategy's own (``lightning_pipe._step.microbatches``).
@@ -39,6 +40,10 @@ def search_plans(
     interleaved_stages_per_rank: int = 2,
     optimizer_multiplier: float = 3.0,
     microbatch_overhead: float = 0.01,
+    devices_per_node: Optional[int] = None,
+    max_tensor_parallel: int = 8,
+    tensor_divisor: Optional[int] = None,
+    tensor_parallel_overhead: float = 0.1,
 ) -> list[Plan]:
     """Every plan that fits, best (lowest predicted step time) first.
 
@@ -60,6 +65,14 @@ def search_plans(
         microbatch_overhead: fixed cost of running one microbatch through one stage, as a fraction of the ideal
             step time (``sum(costs) * global_batch_size / devices``). It keeps the search from always taking
             microbatches of one sample. 0 models free microbatches.
+        devices_per_node: the devices of one node. Given, the search also tries tensor-parallel sizes (see
+            :func:`tensor_parallel_sizes`): the ranks of one tensor-parallel group are consecutive, so they must fit
+            in a node. ``None`` (default): no tensor parallelism.
+        max_tensor_parallel: the largest tensor-parallel size to try.
+        tensor_divisor: a number every tensor-parallel size must divide, such as the attention head count (each
+            rank takes ``1/T`` of the heads and of every split matrix dimension); ``None``: no constraint.
+        tensor_parallel_overhead: the communication of tensor parallelism (the all-reduces of the row-wise layers
+            in forward and backward), as a fraction of a module's cost, times ``(T - 1) / T``.
 
     Raises:
         ValueError: if no plan is valid for the batch and devices, or none fits ``memory_budget`` (the message
@@ -77,18 +90,22 @@ def search_plans(
         interleaved_stages_per_rank=interleaved_stages_per_rank,
         optimizer_multiplier=optimizer_multiplier,
         microbatch_overhead=microbatch_overhead,
+        tensor_sizes=tensor_parallel_sizes(devices, devices_per_node, max_tensor_parallel, tensor_divisor),
+        tensor_parallel_overhead=tensor_parallel_overhead,
     )
     fitting = [p for p in plans if p.fits]
     if not fitting:
         smallest = min(plans, key=lambda p: (p.predicted_memory_per_device, p.predicted_step_time))
         need = smallest.predicted_memory_per_device
         assert need is not None and memory_budget is not None
+        tensor = f" x tensor-parallel {smallest.tensor_parallel_size}" if smallest.tensor_parallel_size > 1 else ""
+        hint = " or consider tensor parallelism (`devices_per_node`)" if devices_per_node is None else ""
         raise ValueError(
             f"No plan fits the memory budget of {format_bytes(memory_budget)} ({int(memory_budget)} bytes) per"
             f" device: the smallest needs {format_bytes(need)} ({math.ceil(need)} bytes) per device"
-            f" (pipeline {smallest.pipeline_parallel_size} x data-parallel {smallest.data_parallel_size},"
+            f" (pipeline {smallest.pipeline_parallel_size} x data-parallel {smallest.data_parallel_size}{tensor},"
             f" {smallest.schedule}, {smallest.num_microbatches} microbatches). Raise the budget to at least that,"
-            " add devices, use a smaller batch or turn on activation checkpointing."
+            f" add devices, use a smaller batch, turn on activation checkpointing{hint}."
         )
     return fitting
 
@@ -96,6 +113,26 @@ def search_plans(
 def plan_pipeline(costs: Sequence[float], global_batch_size: int, devices: int, **kwargs: Any) -> Plan:
     """The best plan: :func:`search_plans`'s first. Takes the same arguments."""
     return search_plans(costs, global_batch_size, devices, **kwargs)[0]
+
+
+def tensor_parallel_sizes(
+    devices: int, devices_per_node: Optional[int], max_tensor_parallel: int = 8, tensor_divisor: Optional[int] = None
+) -> list[int]:
+    """The tensor-parallel sizes the search tries: ``[1]`` without ``devices_per_node``; else the powers of two that
+    divide ``devices_per_node`` (a group's ranks are consecutive, inside one node) and ``devices``, are at most
+    ``max_tensor_parallel`` and divide ``tensor_divisor`` (e.g. the attention head count) when it is given."""
+    if devices_per_node is None:
+        return [1]
+    check_positive("devices_per_node", devices_per_node)
+    check_positive("max_tensor_parallel", max_tensor_parallel)
+    if tensor_divisor is not None:
+        check_positive("tensor_divisor", tensor_divisor)
+    sizes, t = [], 1
+    while t <= min(devices_per_node, max_tensor_parallel):
+        if devices_per_node % t == 0 and devices % t == 0 and (tensor_divisor is None or tensor_divisor % t == 0):
+            sizes.append(t)
+        t *= 2
+    return sizes
 
 
 def _all_plans(
@@ -111,6 +148,8 @@ def _all_plans(
     interleaved_stages_per_rank: int,
     optimizer_multiplier: float,
     microbatch_overhead: float,
+    tensor_sizes: Sequence[int],
+    tensor_parallel_overhead: float,
 ) -> list[Plan]:
     n = len(costs)
     if n == 0:
@@ -126,8 +165,10 @@ def _all_plans(
     for name, values in (("param_bytes", param_bytes), ("activation_bytes", activation_bytes)):
         if values is not None and len(values) != n:
             raise ValueError(f"`{name}` has {len(values)} entries but there are {n} module costs.")
-    if optimizer_multiplier < 0 or microbatch_overhead < 0:
-        raise ValueError("`optimizer_multiplier` and `microbatch_overhead` must be non-negative.")
+    if optimizer_multiplier < 0 or microbatch_overhead < 0 or tensor_parallel_overhead < 0:
+        raise ValueError(
+            "`optimizer_multiplier`, `microbatch_overhead` and `tensor_parallel_overhead` must be non-negative."
+        )
     unknown = [s for s in schedules if s not in PLANNED_SCHEDULES]
     if unknown or not schedules:
         raise ValueError(f"The planner models the schedules {list(PLANNED_SCHEDULES)}; got {list(schedules)}.")
@@ -148,13 +189,19 @@ def _all_plans(
     splits: dict[int, list[int]] = {}
     plans: list[Plan] = []
     skipped: list[str] = []
-    for p in divisors(devices):
+    layouts = [(size, p) for size in tensor_sizes for p in divisors(devices // size)]  # tensor, pipeline sizes
+    for t, p in layouts:
         if pipeline_parallel_size is not None and p != pipeline_parallel_size:
             continue
-        dp = devices // p
+        dp = devices // (p * t)
+        tensor = f"tensor-parallel {t}, " if t > 1 else ""
         if global_batch_size % dp:
-            skipped.append(f"pipeline {p}: the global batch {global_batch_size} does not split over {dp} replicas")
+            skipped.append(
+                f"{tensor}pipeline {p}: the global batch {global_batch_size} does not split over {dp} replicas"
+            )
             continue
+        # each of the t ranks computes 1/t of every module plus the all-reduces, and holds 1/t of its weights
+        scale = (1 + tensor_parallel_overhead * (t - 1)) / t
         b = global_batch_size // dp
         for schedule in schedules:
             v = interleaved_stages_per_rank if SCHEDULES[schedule].multi_stage else 1
@@ -162,15 +209,15 @@ def _all_plans(
                 continue  # one stage: GPipe and interleaving only differ from 1F1B by keeping more in flight
             num_stages = p * v
             if num_stages > n:
-                skipped.append(f"pipeline {p} ({schedule}): {num_stages} stages but only {n} modules")
+                skipped.append(f"{tensor}pipeline {p} ({schedule}): {num_stages} stages but only {n} modules")
                 continue
             if num_stages not in splits:
                 splits[num_stages] = split_sizes(costs, num_stages, "parameters")
             sizes = splits[num_stages]
             bounds = _bounds(sizes)
-            stage_cost = [sum(costs[a:z]) for a, z in bounds]
-            stage_weights = [sum(weights[a:z]) for a, z in bounds]
-            stage_acts = [sum(acts[a:z]) for a, z in bounds]
+            stage_cost = [sum(costs[a:z]) * scale for a, z in bounds]
+            stage_weights = [sum(weights[a:z]) / t for a, z in bounds]
+            stage_acts = [sum(acts[a:z]) for a, z in bounds]  # whole on every tensor rank: not divided
             c_max = max(stage_cost)
             for m in divisors(b):
                 if not valid_num_microbatches(m, p, v, schedule):
@@ -204,6 +251,7 @@ def _all_plans(
                         state_memory=state,
                         activation_memory=activation,
                         fits=fits,
+                        tensor_parallel_size=t,
                     )
                 )
     if not plans:
@@ -254,6 +302,7 @@ def _rank_key(plan: Plan) -> tuple:
         float(f"{memory:.9g}"),
         _SCHEDULE_ORDER.get(plan.schedule, 9),
         plan.pipeline_parallel_size,
+        plan.tensor_parallel_size,
         plan.num_microbatches,
     )
 
@@ -283,7 +332,7 @@ def plan_for_module(
         costs: ``"parameters"`` or measured forward+backward times per sample, one per module.
         activation_bytes, example_input, bytes_per_parameter: see :func:`backbone_profile`.
         **search_kwargs: passed to :func:`search_plans` (``pipeline_parallel_size``, ``schedules``,
-            ``optimizer_multiplier``, ``microbatch_overhead``, ...).
+            ``optimizer_multiplier``, ``microbatch_overhead``, ``devices_per_node``, ``tensor_divisor``, ...).
     """
     module_costs, param_bytes, acts = backbone_profile(
         lightning_module, backbone, costs, activation_bytes, example_input, bytes_per_parameter
