@@ -15,6 +15,8 @@ One four-process launch runs every phase in a row (``tests/zoo_job.py``):
   over the tensor ranks);
 - the pp2 x tp2 checkpoint loaded without tensor parallelism (pp2 x ddp2) and on pp4, and consolidated;
 - a plan that names no module of the block: refused at setup on every rank.
+
+A two-process launch runs pp1 x tp2 (one stage over two tensor ranks), trained and then predicting.
 """
 
 from __future__ import annotations
@@ -80,6 +82,28 @@ def four(work) -> Path:
     proc = run_script([str(HERE / "zoo_job.py"), str(spec), str(out)], cwd=work, timeout=600)
     assert proc.returncode == 0, proc.stdout[-8000:]
     return out
+
+
+PP1_TP2 = {"name": "pp1_tp2", **LLAMA, "fns": ["fit", "predict"],
+           "strategy": {**TP2, "pipeline_parallel_size": 1, "num_microbatches": 2}}
+
+
+@pytest.fixture(scope="module")
+def two(work) -> Path:
+    spec = work / "two.json"
+    spec.write_text(json.dumps({"devices": 2, "phases": [PP1_TP2]}))
+    out = work / "two"
+    proc = run_script([str(HERE / "zoo_job.py"), str(spec), str(out)], cwd=work, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-8000:]
+    return out
+
+
+@pytest.mark.dist
+def test_one_stage_over_two_tensor_ranks_trains_and_predicts_as_one_process(two):
+    got, want = ranks(two, "pp1_tp2", 2), reference(PP1_TP2)
+    assert_same_training(got, want)
+    for r in got:
+        assert all(torch.equal(a, b) for a, b in zip(r["predictions"], want["predictions"]))
 
 
 def by_name(work: Path, name: str) -> dict[str, Any]:
@@ -155,6 +179,12 @@ def test_plans_are_read_and_checked_with_the_fix():
     with pytest.raises(ValueError, match=r"tensor_parallel_plan=\.\.\.\)` needs `tensor_parallel_size` > 1"):
         validated_options(2, "auto", "auto", "1F1B", "auto", "auto", "uniform", False, None,
                           tensor_parallel_plan=zoo.LLAMA_TP_PLAN)
+
+
+def test_a_size_that_does_not_divide_the_heads_is_refused():
+    model = zoo.make("hf_llama")
+    with pytest.raises(ValueError, match="does not divide the model's 2 num key value heads"):
+        choose_plan("auto", [], 4, model, [("model.model.layers.0", model.model.model.layers[0])])
 
 
 def test_what_configure_model_asks_for_is_checked_like_a_plan():

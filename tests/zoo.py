@@ -569,6 +569,9 @@ class LlamaTP(Lit):
         x, y, _ = batch
         return F.cross_entropy(self(x).flatten(0, 1), y.flatten())
 
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self(batch[0]).argmax(-1)
+
 
 class LlamaUserTP(LlamaTP):
     """:class:`LlamaTP` whose ``configure_model`` splits its blocks itself, as Lightning's ``ModelParallelStrategy``

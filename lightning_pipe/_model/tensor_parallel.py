@@ -195,6 +195,8 @@ def choose_plan(
         assert styles is not None
         if isinstance(styles, dict):
             check_plan(styles, blocks[0][1], blocks[0][0], size)
+        if plan == "auto":
+            _check_heads(module, size)
         return lambda block, mesh: parallelize_block(styles, block, mesh)
     if records:
         return recorded_plan(records, module, blocks, size)
@@ -204,3 +206,19 @@ def choose_plan(
         " or 'auto' for a Hugging Face model's own plan), or call `parallelize_module` on the blocks in"
         " `configure_model` with `self.device_mesh['tensor_parallel']`, as for Lightning's `ModelParallelStrategy`."
     )
+
+
+def _check_heads(module: nn.Module, size: int) -> None:
+    """A Hugging Face attention splits its heads over the tensor ranks: their counts must divide."""
+    for sub in module.modules():
+        config = getattr(sub, "config", None)
+        if getattr(config, "base_model_tp_plan", None):
+            for name in ("num_attention_heads", "num_key_value_heads"):
+                heads = getattr(config, name, None)
+                if isinstance(heads, int) and heads % size:
+                    raise ValueError(
+                        f"`tensor_parallel_size={size}` does not divide the model's {heads} {name.replace('_', ' ')}"
+                        f" (`config.{name}`): each tensor rank takes whole heads. Pick a tensor_parallel_size that"
+                        " divides the head counts."
+                    )
+            return
