@@ -47,6 +47,17 @@ def run_job(spec: dict[str, Any], tmp_path: Path, timeout: float = 180) -> list[
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(devices)]
 
 
+def run_zoo_phases(work: Path, name: str, devices: int, phases: list[dict[str, Any]], timeout: float = 600) -> Path:
+    """Run ``phases`` in one launch of ``tests/zoo_job.py`` on ``devices`` processes; returns its output directory
+    (``<phase>.rank<r>.pt``)."""
+    spec = work / f"{name}.json"
+    spec.write_text(json.dumps({"devices": devices, "phases": phases}))
+    out = work / name
+    proc = run_script([str(HERE / "zoo_job.py"), str(spec), str(out)], cwd=work, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-8000:]
+    return out
+
+
 def reference(spec: dict[str, Any], tmp_path: Path) -> dict[str, Any]:
     """The same spec on one device without a strategy, in this process."""
     sys.path.insert(0, str(HERE))

@@ -33,13 +33,12 @@ from typing import Any
 import pytest
 import torch
 import zoo
-from helpers import merged_state, run_script
+from helpers import merged_state, run_zoo_phases
 from test_models import ranks
 
 from lightning_pipe._lightning.options import validated_options
 from lightning_pipe._model.shard import refuse_unshardable
 
-HERE = Path(__file__).resolve().parent
 SAMPLED = {"use_distributed_sampler": True}
 TRAIN = {"max_epochs": 2, "gradient_clip_val": 0.5, "accumulate_grad_batches": 2, **SAMPLED}
 PP2 = {"pipeline_parallel_size": 2, "num_microbatches": 4}
@@ -99,12 +98,7 @@ def work(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def four(work) -> Path:
-    spec = work / "four.json"
-    spec.write_text(json.dumps({"devices": 4, "phases": phases(work)}))
-    out = work / "four"
-    proc = run_script([str(HERE / "zoo_job.py"), str(spec), str(out)], cwd=work, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-8000:]
-    return out
+    return run_zoo_phases(work, "four", 4, phases(work))
 
 
 def replicas(results: list[dict[str, Any]], pp: int) -> list[list[dict[str, Any]]]:

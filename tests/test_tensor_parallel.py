@@ -21,7 +21,6 @@ A two-process launch runs pp1 x tp2 (one stage over two tensor ranks), trained a
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -30,14 +29,13 @@ from typing import Any
 import pytest
 import torch
 import zoo
-from helpers import merged_state, run_script
+from helpers import merged_state, run_zoo_phases
 from test_models import assert_same_training, ranks, reference
 from torch.distributed.tensor.parallel import ColwiseParallel, SequenceParallel
 
 from lightning_pipe._lightning.options import validated_options
 from lightning_pipe._model.tensor_parallel import block_plan, check_plan, choose_plan, recorded_plan
 
-HERE = Path(__file__).resolve().parent
 TRAIN = {"max_epochs": 1, "gradient_clip_val": 0.5, "accumulate_grad_batches": 2}
 LLAMA = {"model": "llama_tp", "data": {"n": 48, "batch_size": 8}, "model_kwargs": {"lr": 0.2}, "trainer": TRAIN}
 HF = {"model": "hf_llama", "data": {"n": 48, "batch_size": 8}, "model_kwargs": {"optimizer": "adamw", "lr": 2e-2},
@@ -76,12 +74,7 @@ def work(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def four(work) -> Path:
-    spec = work / "four.json"
-    spec.write_text(json.dumps({"devices": 4, "phases": phases(work)}))
-    out = work / "four"
-    proc = run_script([str(HERE / "zoo_job.py"), str(spec), str(out)], cwd=work, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-8000:]
-    return out
+    return run_zoo_phases(work, "four", 4, phases(work))
 
 
 PP1_TP2 = {"name": "pp1_tp2", **LLAMA, "fns": ["fit", "predict"],
@@ -90,12 +83,7 @@ PP1_TP2 = {"name": "pp1_tp2", **LLAMA, "fns": ["fit", "predict"],
 
 @pytest.fixture(scope="module")
 def two(work) -> Path:
-    spec = work / "two.json"
-    spec.write_text(json.dumps({"devices": 2, "phases": [PP1_TP2]}))
-    out = work / "two"
-    proc = run_script([str(HERE / "zoo_job.py"), str(spec), str(out)], cwd=work, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-8000:]
-    return out
+    return run_zoo_phases(work, "two", 2, [PP1_TP2], timeout=300)
 
 
 @pytest.mark.dist
