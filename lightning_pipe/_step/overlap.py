@@ -200,6 +200,8 @@ class ReductionOverlap:
                 grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
                 offset += grad.numel()
         self._in_flight = []
+        if self._scale_work is not None:
+            self.scale()  # every step takes its own weight, also a stage that had nothing to reduce in its backward
         for work in self._sends:
             work.wait()
         self._sends = []
