@@ -1,11 +1,13 @@
-"""pp2 x dp2 x tp2 on 8 CPU processes against one process on the full batch: too many processes for CI's 2 cores.
+"""pp2 x dp2 x tp2, and pp2 x HSDP (2 x 2), on 8 CPU processes against one process on the full batch: too many
+processes for CI's 2 cores.
 
     python scripts/three_d.py [--timeout 900]
 
 One launch of ``tests/zoo_job.py`` on 8 processes trains the hand-built Llama of ``tests/zoo.py`` (torchtitan's plan,
 SGD with momentum, a per-step LR scheduler, clipping and gradient accumulation) as pp2 x ddp2 x tp2 and as
 pp2 x fsdp2 x tp2, both replicas fed the whole batch (no distributed sampler), so one process on that batch is the
-reference. Prints the largest difference of the losses and final weights, and the parameters each rank holds
+reference; and the same model as pp2 with HSDP, each stage sharded over 2 replicas and replicated over 2 such groups.
+Prints the largest difference of the losses and final weights, and the parameters each rank holds
 against the same model on pp2 alone (one process per stage, from the reference's state dict).
 """
 
@@ -39,6 +41,10 @@ def main() -> None:
     phases = [
         {"name": "pp2_ddp2_tp2", **BASE, "strategy": TP},
         {"name": "pp2_fsdp2_tp2", **BASE, "strategy": {**TP, "data_parallel": "fsdp"}},
+        {"name": "pp2_hsdp2x2", **BASE, "strategy": {
+            "pipeline_parallel_size": 2, "num_microbatches": 4, "data_parallel": "hsdp",
+            "data_parallel_shard_size": 2,
+        }},
     ]
     work = Path(tempfile.mkdtemp())
     (work / "spec.json").write_text(json.dumps({"devices": 8, "phases": phases}))
