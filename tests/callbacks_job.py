@@ -29,12 +29,12 @@ import torch
 from lightning.pytorch import callbacks as builtin
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.tuner import Tuner
-from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import models
+from helpers import plain
 
 from lightning_pipe import PipelineStrategy
 
@@ -145,10 +145,7 @@ def run_phase(phase: dict[str, Any], devices: int, out: Optional[Path]) -> dict[
     adam_steps = sorted({int(s["step"]) for s in optimizer.state.values() if "step" in s}) if optimizer else []
     result = {
         "steps": recorder.steps,
-        "state_dict": {  # a sharded tensor gathered: a collective, in the same order on every rank
-            k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu().clone()
-            for k, v in model.state_dict().items()
-        },
+        "state_dict": plain(model.state_dict()),
         "averaged": averaged,
         "adam_steps": adam_steps,
         "lr": model.hparams.lr,

@@ -47,17 +47,6 @@ def run_job(spec: dict[str, Any], tmp_path: Path, timeout: float = 180) -> list[
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(devices)]
 
 
-def run_zoo_phases(work: Path, name: str, devices: int, phases: list[dict[str, Any]], timeout: float = 600) -> Path:
-    """Run ``phases`` in one launch of ``tests/zoo_job.py`` on ``devices`` processes; returns its output directory
-    (``<phase>.rank<r>.pt``)."""
-    spec = work / f"{name}.json"
-    spec.write_text(json.dumps({"devices": devices, "phases": phases}))
-    out = work / name
-    proc = run_script([str(HERE / "zoo_job.py"), str(spec), str(out)], cwd=work, timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-8000:]
-    return out
-
-
 def reference(spec: dict[str, Any], tmp_path: Path) -> dict[str, Any]:
     """The same spec on one device without a strategy, in this process."""
     sys.path.insert(0, str(HERE))
@@ -67,6 +56,14 @@ def reference(spec: dict[str, Any], tmp_path: Path) -> dict[str, Any]:
     out = tmp_path / "reference"
     job.run(ref, out)
     return torch.load(out / "rank0.pt", weights_only=False)
+
+
+def plain(state: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """A state dict with sharded (DTensor) values gathered, on the CPU: a collective, called on every rank in the same
+    order."""
+    from torch.distributed.tensor import DTensor
+
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu().clone() for k, v in state.items()}
 
 
 def merged_state(results: list[dict[str, Any]], key: str = "state_dict") -> dict[str, torch.Tensor]:

@@ -45,7 +45,7 @@ class Recorder(L.Callback):
 
     def on_train_start(self, trainer, pl_module):
         if self.initial is None:  # after setup: a meta-built model is materialised by now
-            self.initial = plain(pl_module.state_dict())
+            self.initial = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self.first_rows.append(batch[0][:, 0].tolist())
@@ -63,7 +63,7 @@ class Recorder(L.Callback):
         if self.count_saved:
             self._hooks.__exit__(None, None, None)
         if self.inf_at_step is not None and trainer.global_step == self.inf_at_step + 1:
-            self.params_after_inf_step = plain(pl_module.state_dict())
+            self.params_after_inf_step = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
         logged = trainer.callback_metrics.items()
         metrics = {k: float(v) for k, v in logged if k.startswith(("train_loss", "train_acc"))}
         metrics["lr"] = trainer.optimizers[0].param_groups[0]["lr"]
@@ -80,7 +80,7 @@ class Recorder(L.Callback):
     def on_after_backward(self, trainer, pl_module):
         self._count("on_after_backward")
         if self.inf_at_step is not None and trainer.global_step == self.inf_at_step:
-            self.params_before_inf_step = plain(pl_module.state_dict())
+            self.params_before_inf_step = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
             if trainer.global_rank == trainer.world_size - 1:
                 next(p for p in pl_module.parameters() if p.grad is not None).grad.view(-1)[0] = float("inf")
 
@@ -91,19 +91,6 @@ class Recorder(L.Callback):
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         self._count("on_before_optimizer_step")
-
-
-def plain(state: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """A state dict with sharded (DTensor) values gathered: a collective, called on every rank in the same order."""
-    from torch.distributed.tensor import DTensor
-
-    return {
-        k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu().clone() for k, v in state.items()
-    }
-
-
-def _local_numel(p: torch.Tensor) -> int:
-    return p.to_local().numel() if hasattr(p, "to_local") else p.numel()
 
 
 def run(spec: dict[str, Any], out_dir: Path) -> None:
@@ -158,7 +145,7 @@ def run(spec: dict[str, Any], out_dir: Path) -> None:
         "val": recorder.val,
         "hooks": recorder.hooks,
         "first_rows": recorder.first_rows,
-        "state_dict": plain(model.state_dict()),
+        "state_dict": {k: v.detach().cpu() for k, v in model.state_dict().items()},
         "initial": recorder.initial,
         "saved_bytes": recorder.saved_bytes,
         "scales": recorder.scales,
@@ -166,8 +153,6 @@ def run(spec: dict[str, Any], out_dir: Path) -> None:
         "params_after_inf_step": recorder.params_after_inf_step,
         "callback_metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
         "global_step": trainer.global_step,
-        "local_numel": sum(_local_numel(p) for p in model.parameters()),
-        "sharded_params": sum(type(p).__name__ == "DTensor" for p in model.parameters()),
         "layout": [list(b) for b in trainer.strategy.layout.bounds] if pipelined else None,
     }
     out_dir.mkdir(parents=True, exist_ok=True)

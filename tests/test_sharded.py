@@ -33,8 +33,8 @@ from typing import Any
 import pytest
 import torch
 import zoo
-from helpers import merged_state, run_zoo_phases
-from test_models import ranks
+from helpers import merged_state
+from test_models import launch, ranks
 
 from lightning_pipe._lightning.options import validated_options
 from lightning_pipe._model.shard import refuse_unshardable
@@ -98,7 +98,7 @@ def work(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def four(work) -> Path:
-    return run_zoo_phases(work, "four", 4, phases(work))
+    return launch(work, "four", 4, phases(work), timeout=600)
 
 
 def replicas(results: list[dict[str, Any]], pp: int) -> list[list[dict[str, Any]]]:

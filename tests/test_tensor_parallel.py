@@ -29,8 +29,8 @@ from typing import Any
 import pytest
 import torch
 import zoo
-from helpers import merged_state, run_zoo_phases
-from test_models import assert_same_training, ranks, reference
+from helpers import merged_state
+from test_models import assert_same_training, launch, ranks, reference
 from torch.distributed.tensor.parallel import ColwiseParallel, SequenceParallel
 
 from lightning_pipe._lightning.options import validated_options
@@ -74,7 +74,7 @@ def work(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def four(work) -> Path:
-    return run_zoo_phases(work, "four", 4, phases(work))
+    return launch(work, "four", 4, phases(work), timeout=600)
 
 
 PP1_TP2 = {"name": "pp1_tp2", **LLAMA, "fns": ["fit", "predict"],
@@ -83,7 +83,7 @@ PP1_TP2 = {"name": "pp1_tp2", **LLAMA, "fns": ["fit", "predict"],
 
 @pytest.fixture(scope="module")
 def two(work) -> Path:
-    return run_zoo_phases(work, "two", 2, [PP1_TP2], timeout=300)
+    return launch(work, "two", 2, [PP1_TP2], timeout=300)
 
 
 @pytest.mark.dist

@@ -34,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import zoo
+from helpers import plain
 
 from lightning_pipe import PipelineStrategy
 
@@ -58,11 +59,6 @@ class Recorder(L.Callback):
     def on_validation_end(self, trainer, pl_module):
         if not trainer.sanity_checking and "val_loss" in trainer.callback_metrics:
             self.val.append(float(trainer.callback_metrics["val_loss"]))
-
-
-def plain(state: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """A state dict with sharded (DTensor) values gathered: a collective, called on every rank in the same order."""
-    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu().clone() for k, v in state.items()}
 
 
 def run_phase(phase: dict[str, Any], devices: int) -> dict[str, Any]:
