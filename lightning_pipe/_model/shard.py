@@ -135,16 +135,16 @@ class OutsideModules(nn.Module):
         raise RuntimeError("The modules outside the backbone run as the step calls them, not through this unit.")
 
 
-def outside_modules(module: nn.Module, blocks: set[int], around: set[int], local: set[int]) -> list[nn.Module]:
-    """The outermost modules that contain no backbone block and hold some of this rank's parameters ``local`` (by
-    id), in module order; ``blocks``: the ids of the backbone blocks, ``around``: of the modules that contain one."""
+def outside_modules(module: nn.Module, blocks: set[int], local: set[int]) -> list[nn.Module]:
+    """The outermost modules that contain no backbone block (``blocks``: their ids) and hold some of this rank's
+    parameters ``local`` (by id), in module order."""
     found: list[nn.Module] = []
 
     def walk(m: nn.Module) -> None:
         for child in m.children():
             if id(child) in blocks:
                 continue
-            if id(child) in around:
+            if any(id(sub) in blocks for sub in child.modules()):  # a container around blocks
                 walk(child)
             elif any(id(p) in local for p in child.parameters()):
                 found.append(child)
@@ -171,18 +171,8 @@ def shard_stage(
     materializer = Materializer(module, backbone, device)
     local = {id(r.tensor) for r in cut.held(pipeline_rank) if r.kind == "parameter"}
     block_ids = {id(backbone.module(i)) for i in range(len(backbone))}
-    around: set[int] = set()
-    for path in backbone.paths:
-        owner: Optional[nn.Module] = module
-        for part in path.split("."):
-            around.add(id(owner))
-            owner = getattr(owner, part, None)
-            if owner is None:
-                break
-        if owner is not None:
-            around.add(id(owner))
     blocks = [backbone.module(i) for i in indices]
-    outside = outside_modules(module, block_ids, around, local)
+    outside = outside_modules(module, block_ids, local)
     _refuse_shared_across_units(blocks, outside, backbone, indices)
     with cut.parameters_replaced(module):
         kwargs = dict(mesh=mesh, reshard_after_forward=options.reshard_after_forward, mp_policy=options.mp_policy)

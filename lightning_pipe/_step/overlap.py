@@ -84,6 +84,7 @@ class ReductionOverlap:
         self._scale_work: Any = None
         self._sends: list[Any] = []
         self._buckets: dict[tuple, list[nn.Parameter]] = {}
+        self._filled: dict[tuple, int] = {}  # bytes in each bucket
         self._in_flight: list[tuple[list[nn.Parameter], Tensor, Any, Callable[[], None]]] = []
         self.done: set[nn.Parameter] = set()
         self.reduced_units: set[int] = set()
@@ -158,13 +159,15 @@ class ReductionOverlap:
     def _ready(self, param: nn.Parameter) -> None:
         assert param.grad is not None
         key = (param.grad.dtype, param.grad.device)
-        bucket = self._buckets.setdefault(key, [])
-        bucket.append(param)
-        if sum(_local(p.grad).numel() * p.grad.element_size() for p in bucket) >= self.bucket_bytes:  # type: ignore[union-attr]
+        self._buckets.setdefault(key, []).append(param)
+        grad = _local(param.grad)
+        self._filled[key] = self._filled.get(key, 0) + grad.numel() * grad.element_size()
+        if self._filled[key] >= self.bucket_bytes:
             self._launch(key)
 
     def _launch(self, key: tuple) -> None:
         bucket = self._buckets.pop(key)
+        self._filled.pop(key, None)
         scale = self.scale()
         flat = torch.cat([_local(p.grad).reshape(-1) for p in bucket])  # a tensor-parallel shard: its own
         if scale != 1.0:
