@@ -19,9 +19,11 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.combined_loader import CombinedLoader
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
+from lightning_pipe._lightning.hooks import STEP_HOOKS, step_args
 from lightning_pipe._lightning.log import LogRecorder
 from lightning_pipe._model.backbone import Backbone
 from lightning_pipe._model.calls import (
@@ -36,23 +38,27 @@ from lightning_pipe._model.calls import (
 from lightning_pipe._model.untouched import untouched
 
 
-def first_batch(module: Any, batch_to_device: Callable[[Any], Any]) -> tuple[Callable[..., Any], Any]:
-    """The step the running ``Trainer`` call runs, and the first batch of its data on the device (after the batch
-    transfer hooks, as the step sees it); the loaders' random state is left as it was."""
+def first_batch(module: Any, batch_to_device: Callable[[Any], Any]) -> tuple[Callable[..., Any], tuple]:
+    """The step the running ``Trainer`` call runs, and the arguments Lightning's loop passes it for the first batch of
+    its data (:func:`~lightning_pipe._lightning.hooks.step_args`), the batch on the device and after the batch
+    transfer hooks, as the step sees it; the loaders' random state is left as it was."""
     trainer = module.trainer
     fn = trainer.state.fn
-    loop, step = {
-        TrainerFn.FITTING: (trainer.fit_loop, module.training_step),
-        TrainerFn.VALIDATING: (trainer.validate_loop, module.validation_step),
-        TrainerFn.TESTING: (trainer.test_loop, module.test_step),
-        TrainerFn.PREDICTING: (trainer.predict_loop, module.predict_step),
+    loop = {
+        TrainerFn.FITTING: trainer.fit_loop,
+        TrainerFn.VALIDATING: trainer.validate_loop,
+        TrainerFn.TESTING: trainer.test_loop,
+        TrainerFn.PREDICTING: trainer.predict_loop,
     }[fn]
     loaders = loop._data_source.dataloader()  # the user's loader(s), before the loop starts
+    # the loops count their loaders this way (``num_dataloaders``), once they have combined them
+    combined = loaders if isinstance(loaders, CombinedLoader) else CombinedLoader(loaders, "sequential")
     loader = next(iter(loaders.values())) if isinstance(loaders, dict) else loaders
     loader = loader[0] if isinstance(loader, (list, tuple)) else loader
     with torch.random.fork_rng():
         batch = next(iter(loader))
-    return step, batch_to_device(batch)
+    step = getattr(module, STEP_HOOKS[fn])
+    return step, step_args(module, fn, batch_to_device(batch), len(combined.flattened))
 
 
 def measure_backbone(
@@ -62,6 +68,7 @@ def measure_backbone(
     step: Callable[..., Any],
     batch: Any,
     *,
+    rest: tuple = (0,),
     device: torch.device,
     microbatches_for: Callable[[int], int],
     step_context: Callable[[], AbstractContextManager],
@@ -69,18 +76,23 @@ def measure_backbone(
 ) -> list[float]:
     """``balance="time"``: every block's forward+backward seconds, measured on global rank 0 on one microbatch of
     the first batch and shared with every rank (a collective). The code before the backbone is counted with the
-    first block, the code after it (head, loss) with the last: those stages run it too."""
+    first block, the code after it (head, loss) with the last: those stages run it too.
+
+    Args:
+        rest: the step's arguments after the batch, as Lightning's loop passes them (:func:`first_batch`); the
+            default is ``batch_idx=0``.
+    """
     require_real_weights([module])  # every rank holds the whole model here, so every rank refuses
     costs: Optional[list[float]] = None
     if not dist.is_initialized() or dist.get_rank() == 0:
         program = BlockRunners(module, backbone, structure, device)
-        batch_size = program.batch_size_of(step, batch, 0)
+        batch_size = program.batch_size_of(step, batch, *rest)
         rows = batch_size // microbatches_for(batch_size)
-        sub_batch = slice_batch(batch, batch_size, 0, rows)
+        sub_args = (slice_batch(batch, batch_size, 0, rows), *rest)
         samples: list[list[float]] = []
         with untouched(module, device, drop_grads=True), step_context():
             for attempt in range(repeats + 1):
-                timed = _profile_step(program, step, sub_batch, device)
+                timed = _profile_step(program, step, sub_args, device)
                 if attempt:  # the first run warms up
                     samples.append(timed)
         costs = [statistics.median(column) for column in zip(*samples)]
@@ -94,15 +106,15 @@ def measure_backbone(
     return costs
 
 
-def _profile_step(program: BlockRunners, step: Callable[..., Any], sub_batch: Any, device: torch.device) -> list[float]:
-    """One run of the step on ``sub_batch`` with every block timed on ``device``; returns the costs per block."""
+def _profile_step(program: BlockRunners, step: Callable[..., Any], args: tuple, device: torch.device) -> list[float]:
+    """One run of ``step(*args)`` (one microbatch) with every block timed on ``device``; returns the costs per block."""
     run = _Profiled(program, device)
     with program.running(run, ghost_prefix=False):
         program.module.to(device)  # the blocks are runners now: this moves only what is outside the backbone
         _sync(device)
         run.mark = time.perf_counter()
         with LogRecorder().installed(program.module):
-            result = step(sub_batch, 0)
+            result = step(*args)
         _sync(device)
         post = time.perf_counter() - run.mark
         if torch.is_grad_enabled() and isinstance(result, (torch.Tensor, dict)):

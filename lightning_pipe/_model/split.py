@@ -70,14 +70,16 @@ def split_module(
     balance: _Balance,
     device: torch.device,
     fitting: bool,
-    sample: Callable[[], tuple[Callable[..., Any], Any]],
-    measure: Callable[[Any, Structure, Callable[..., Any], Any], list[float]],
+    sample: Callable[[], tuple[Callable[..., Any], tuple]],
+    measure: Callable[..., list[float]],
 ) -> Cut:
     """Cut ``module`` for this rank; returns the :class:`~lightning_pipe._model.cut.Cut`.
 
     Args:
-        sample: returns the running step and a batch of its data on the device (the step is analysed on it).
-        measure: ``(backbone, structure, step, batch) -> seconds per block``, for ``balance="time"``.
+        sample: returns the running step and the arguments Lightning's loop passes it for a batch of its data on
+            the device, the batch first (the step is analysed on them).
+        measure: ``(backbone, structure, step, batch, rest=<the arguments after the batch>) -> seconds per
+            block``, for ``balance="time"``.
     """
     pp, rank, style = pipeline_parallel_size, pipeline_rank, schedule.placement
     previous = _cuts.get(module)
@@ -91,10 +93,10 @@ def split_module(
         log.debug("pipeline rank %d: reusing the split module: %s", rank, layout.describe())
         return previous
     backbone = find_backbone(module, backbone_spec)
-    step, batch = sample()
-    structure = analyze(module, backbone, step, (batch, 0), device, training=fitting)
+    step, args = sample()
+    structure = analyze(module, backbone, step, args, device, training=fitting)
     if balance == "time":
-        costs = measure(backbone, structure, step, batch)
+        costs = measure(backbone, structure, step, args[0], rest=args[1:])
     else:
         costs = _parameter_costs(module, backbone, structure)
     layout = make_layout(costs, pp, stages_per_rank, balance, style)
