@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor
 
 if TYPE_CHECKING:
     from lightning_pipe._model.shard import StageSharding
-    from lightning_pipe._step.overlap import ReductionOverlap
+    from lightning_pipe._step.last_backward import ReductionOverlap
 
 #: ``span(name)``: a context manager around one collective, to time it.
 Span = Callable[[str], ContextManager[None]]

@@ -38,7 +38,7 @@ from torch.utils._pytree import tree_leaves
 
 from lightning_pipe import _watchdog
 from lightning_pipe._compat.torch import keep_forward_actions
-from lightning_pipe._step.overlap import ReductionOverlap
+from lightning_pipe._step.last_backward import ReductionOverlap
 from lightning_pipe._step.program import StepProgram
 from lightning_pipe._step.shapes import (
     MAX_SCHEDULES,

@@ -54,9 +54,9 @@ from lightning_pipe._model.shard import StageSharding
 from lightning_pipe._model.structure import everything_ghosted
 from lightning_pipe._model.untouched import untouched
 from lightning_pipe._step.gradients import Gradients
+from lightning_pipe._step.last_backward import ReductionOverlap
 from lightning_pipe._step.loss_weights import LossWeighing, warn_unweighted
 from lightning_pipe._step.microbatches import MicrobatchPolicy
-from lightning_pipe._step.overlap import ReductionOverlap
 from lightning_pipe._step.pipeline import StageModule, StagePipeline
 from lightning_pipe._step.program import StepProgram
 from lightning_pipe.partition import StageLayout
