@@ -1,5 +1,8 @@
 """Sharding this rank's stages over their data-parallel replicas with torch's FSDP2 (``data_parallel="fsdp"|"hsdp"``).
 
+This module shards once, at setup (:func:`shard_stage`); what every batch does with the units is
+``_step/sharded.py``'s.
+
 [Note: sharded stages]
 Every backbone block of this rank's stages is one ``fully_shard`` unit, and the modules outside the backbone that
 this rank holds (an embedding on the first stage; a norm and head on the last) are one more, as torchtitan shards a
@@ -13,12 +16,12 @@ rank (``mesh["data_parallel"]``; with HSDP, over ``data_parallel_shard`` and rep
   (:class:`~lightning_pipe._compat.torch.fsdp_hooks_suspended`).
 - The outside unit is a module that holds those modules and is never called (:class:`OutsideModules`), so FSDP's
   hooks never run for it: the step's own code runs those modules, on ghosts too (on the other stages, and to learn
-  the batch size). The strategy unshards it before each step and reshards it after.
+  the batch size). It is unsharded before each step and resharded after (``_step/sharded.py``).
 - Gradients of every microbatch accumulate unsharded. In a stage's last full backward each block unit reduce-scatters
   its own in FSDP's post-backward hook, after they are scaled by the step's loss weight ([Note: token-weighted
   losses]: one replica's own, so before the replicas are averaged; see [Note: overlapped reductions]). The outside
-  unit, and every unit under a zero-bubble schedule, reduce after the schedule (``_step/gradients.py``), as torch's
-  ``PipelineStage.perform_reduce_grad`` does.
+  unit, and every unit under a zero-bubble schedule, reduce after the schedule (``_step/gradients.py`` through
+  ``_step/sharded.py``), as torch's ``PipelineStage.perform_reduce_grad`` does.
 - A parameter outside any unit (one registered on the LightningModule itself) stays replicated and is averaged
   over the replicas as in the replicated mode.
 - From the meta device, each block is materialised (with the seed that gives the unsplit model's values) and sharded
@@ -28,7 +31,6 @@ rank (``mesh["data_parallel"]``; with HSDP, over ``data_parallel_shard`` and rep
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -37,13 +39,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from lightning_pipe._compat.torch import (
-    fsdp_defer_reduction,
-    fsdp_lazy_init,
-    fsdp_reduce_now,
-    fsdp_scale_unsharded_grads,
-    fsdp_sharded_params,
-)
+from lightning_pipe._compat.torch import fsdp_lazy_init, fsdp_sharded_params
 from lightning_pipe._ghost import Ghost
 from lightning_pipe._model.cut import Cut
 from lightning_pipe._model.materialize import Materializer
@@ -60,21 +56,29 @@ class ShardingOptions:
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy()
 
 
+@dataclass(frozen=True, eq=False)
 class StageSharding:
-    """This rank's FSDP units and the per-step calls the runtime makes on them (see [Note: sharded stages])."""
+    """This rank's FSDP units as :func:`shard_stage` made them (see [Note: sharded stages]). What every batch does
+    with them is ``_step/sharded.py``'s (``ShardedStages``).
 
-    def __init__(
-        self, blocks: list[nn.Module], outside: Optional[nn.Module], module: nn.Module,
-        param_dtype: Optional[torch.dtype] = None,
-    ) -> None:
-        self.blocks = blocks
-        self.param_dtype = param_dtype
-        self.outside = outside
-        self.units = blocks + ([outside] if outside is not None else [])
-        self.module = module
-        sharded = {id(p) for unit in self.units for p in fsdp_sharded_params(unit)}
-        # Taken now, with every unit sharded: while one is unsharded, the module registers its unsharded parameters.
-        self._loose = [p for p in module.parameters() if id(p) not in sharded and not isinstance(p, Ghost)]
+    Attributes:
+        blocks: the block units, in backbone order.
+        outside: the unit of the modules outside the backbone this rank holds (:class:`OutsideModules`), if any.
+        loose: the module's parameters outside every unit (replicated, averaged over the replicas), taken with every
+            unit sharded: while one is unsharded, the module registers its unsharded parameters.
+        param_dtype: the dtype the units all-gather their parameters in (``MixedPrecisionPolicy.param_dtype``);
+            ``None``: their own.
+    """
+
+    blocks: list[nn.Module]
+    outside: Optional[nn.Module]
+    loose: list[nn.Parameter]
+    param_dtype: Optional[torch.dtype] = None
+
+    @property
+    def units(self) -> list[nn.Module]:
+        """Every unit: the blocks', then the outside one."""
+        return self.blocks + ([self.outside] if self.outside is not None else [])
 
     def sharded_params(self) -> list[nn.Parameter]:
         return [p for unit in self.units for p in fsdp_sharded_params(unit)]
@@ -88,38 +92,12 @@ class StageSharding:
 
     def loose_params(self) -> list[nn.Parameter]:
         """The module's parameters outside every unit (replicated, averaged over the replicas)."""
-        return list(self._loose)
+        return list(self.loose)
 
     def trainable(self) -> list[nn.Parameter]:
         """The parameters the optimizers hold (sharded ones as sharded, whatever the units' state) that require
         gradients."""
         return [p for p in self.sharded_params() + self.loose_params() if p.requires_grad]
-
-    def before_step(self) -> None:
-        """Unshard the outside unit (it has no forward hooks) and let every unit accumulate this step's gradients
-        unsharded."""
-        if self.outside is not None:
-            self.outside.unshard()
-        for unit in self.units:
-            fsdp_defer_reduction(unit)
-
-    def reduce(self, scale: float, span: Callable[[str], Any], skip: Collection[int] = ()) -> None:
-        """Scale the accumulated unsharded gradients by ``scale`` and reduce them into the sharded ``.grad``
-        (``span(name)`` around each unit's reduction, for the timeline), but for the units whose ids are in ``skip``
-        (reduced in the last backward already)."""
-        for unit in reversed(self.units):
-            if id(unit) in skip:
-                continue
-            if scale != 1.0:
-                fsdp_scale_unsharded_grads(unit, scale)
-            what = "outside modules" if unit is self.outside else type(unit).__name__.removeprefix("FSDP")
-            with span(f"reduce-scatter {what}"):
-                fsdp_reduce_now(unit)
-
-    def reshard(self) -> None:
-        """Free the unsharded parameters (after an evaluation batch)."""
-        for unit in self.units:
-            unit.reshard()
 
 
 class OutsideModules(nn.Module):
@@ -198,7 +176,8 @@ def shard_stage(
             # first validation (inference tensors cannot be trained later).
             unit.unshard()
             unit.reshard()
-    sharding = StageSharding(units, outside_unit, module, options.mp_policy.param_dtype)
+    every = units + ([outside_unit] if outside_unit is not None else [])
+    sharding = StageSharding(units, outside_unit, _loose_params(module, every), options.mp_policy.param_dtype)
 
     log.debug(
         "pipeline rank %d: %d block units and %s outside unit (%s) sharded over %s",
@@ -206,6 +185,12 @@ def shard_stage(
         [type(m).__name__ for m in outside], mesh,
     )
     return sharding
+
+
+def _loose_params(module: nn.Module, units: list[nn.Module]) -> list[nn.Parameter]:
+    """The module's parameters outside every unit (``units`` sharded), ghosts left out."""
+    sharded = {id(p) for unit in units for p in fsdp_sharded_params(unit)}
+    return [p for p in module.parameters() if id(p) not in sharded and not isinstance(p, Ghost)]
 
 
 def _refuse_shared_across_units(

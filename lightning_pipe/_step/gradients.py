@@ -13,8 +13,8 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 if TYPE_CHECKING:
-    from lightning_pipe._model.shard import StageSharding
     from lightning_pipe._step.last_backward import ReductionOverlap
+    from lightning_pipe._step.sharded import ShardedStages
 
 #: ``span(name)``: a context manager around one collective, to time it.
 Span = Callable[[str], ContextManager[None]]
@@ -51,7 +51,7 @@ class Gradients:
         module: nn.Module,
         replica_group: Optional[dist.ProcessGroup] = None,
         tie_groups: Sequence[tuple[dist.ProcessGroup, list[nn.Parameter]]] = (),
-        sharding: Optional[StageSharding] = None,
+        sharding: Optional[ShardedStages] = None,
         tensor_group: Optional[dist.ProcessGroup] = None,
     ) -> None:
         self.module = module

@@ -59,6 +59,7 @@ from lightning_pipe._step.loss_weights import LossWeighing, warn_unweighted
 from lightning_pipe._step.microbatches import MicrobatchPolicy
 from lightning_pipe._step.pipeline import StageModule, StagePipeline
 from lightning_pipe._step.program import StepProgram
+from lightning_pipe._step.sharded import ShardedStages
 from lightning_pipe.partition import StageLayout
 from lightning_pipe.schedules import ScheduleSpec
 
@@ -106,6 +107,7 @@ class PipelineRuntime:
         scale_group: Optional[dist.ProcessGroup] = None,
         tensor_group: Optional[dist.ProcessGroup] = None,
     ) -> None:
+        sharding = ShardedStages.of(sharding) if sharding is not None else None  # with its per-batch calls
         self.module = module
         self.sharding = sharding
         self.check_data_every = check_data_every
@@ -240,7 +242,7 @@ class PipelineRuntime:
     # ------------------------------------------------------------------------------------------------ helpers
     def _overlap(
         self, cut: Cut, bounds: dict[int, tuple[int, int]], replicas: dist.ProcessGroup,
-        scale_group: Optional[dist.ProcessGroup], sharding: Optional[StageSharding],
+        scale_group: Optional[dist.ProcessGroup], sharding: Optional[ShardedStages],
     ) -> ReductionOverlap:
         """What each local stage reduces in its last backward ([Note: overlapped reductions]): replicated, the
         parameters whose last local use it is (backward runs the stages from the last); sharded, its block units."""
