@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import re
 import sys
 from typing import Any
@@ -67,6 +68,36 @@ def test_every_private_name_still_exists():
     missing = [f"{module}.{path}" for module, path in PRIVATE_NAMES if not _find(module, path)]
     assert not missing, "private names missing on the installed versions (see lightning_pipe/_compat.py):\n" + (
         "\n".join(missing)
+    )
+
+
+#: The private methods the package overrides, swaps or calls with arguments, and the parameters it relies on, in order
+#: (see their entries in ``lightning_pipe/_compat/__init__.py``): a method that still exists under a new signature
+#: would fail only when the override or the swapped method is called.
+SIGNATURES = {
+    # _step/pipeline.py: ReducingStage overrides it and reads `last_backward` by keyword or position
+    ("torch.distributed.pipelining", "PipelineStage.backward_maybe_with_nosync"): (
+        "self", "backward_type", "bwd_kwargs", "last_backward",
+    ),
+    # _lightning/processes.py: pipeline_mesh passes `backend_override` by keyword
+    ("torch.distributed.device_mesh", "DeviceMesh._flatten"): ("self", "mesh_dim_name", "backend_override"),
+    # _compat/torch.py: parallel_styles_recorded swaps it for `recorded(self, module, device_mesh)`
+    ("torch.distributed.tensor.parallel.style", "ParallelStyle._apply"): ("self", "module", "device_mesh"),
+}
+
+
+def test_overridden_and_swapped_methods_take_the_arguments_the_package_passes():
+    assert set(SIGNATURES) <= set(PRIVATE_NAMES)
+    changed = []
+    for (module_name, path), expected in SIGNATURES.items():
+        target: Any = importlib.import_module(module_name)
+        for part in path.split("."):
+            target = getattr(target, part)
+        parameters = tuple(inspect.signature(target).parameters)
+        if parameters[: len(expected)] != expected:
+            changed.append(f"{module_name}.{path}{parameters}, expected {expected}")
+    assert not changed, "private methods whose parameters changed (see lightning_pipe/_compat/__init__.py):\n" + (
+        "\n".join(changed)
     )
 
 

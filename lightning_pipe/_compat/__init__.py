@@ -81,6 +81,21 @@ torch (checked against 2.13.0, 2.14.1 and 2.15.0; ``pyproject.toml`` pins ``<2.1
   pipeline_per_direction_p2p``) or per-edge (2.15, ``pipeline_per_edge_p2p``) communicators, both off by default
   and on with TorchComms, ``_batch_p2p`` calls itself through the module global once per process group; the
   recorder counts the outermost call.
+- ``PipelineStage.backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=False)`` (defined on
+  ``_PipelineStageBase``; no underscore, but no documented API either): overridden by ``_step/pipeline.py``'s
+  ``ReducingStage`` to run the reductions of [Note: overlapped reductions] around a stage's last full backward of a
+  step. It is the one call that knows a backward is a stage's last (torch turns DDP's and FSDP's ``no_sync`` off in
+  it); no public hook says so. Checked against 2.13.0, with the signature (``tests/test_compat.py``).
+- ``DeviceMesh._flatten(mesh_dim_name, backend_override=...)``: the HSDP mesh's ``"data_parallel"`` dimension, its
+  ``"data_parallel_replicate"`` and ``"data_parallel_shard"`` dimensions flattened into one
+  (``_lightning/processes.py``: ``pipeline_mesh``), so that ``mesh["data_parallel"]`` is the replicas of a pipeline
+  rank in every mode, as torchtitan's ``ParallelDims`` flattens its meshes; ``init_device_mesh`` has no public way to
+  add a flattened dimension. Checked against 2.13.0, with the signature.
+- ``ParallelStyle._apply(module, device_mesh)``: the method through which ``parallelize_module`` applies every
+  style, and nothing public records a plan without applying it. It is swapped on torch's style classes while the
+  user's ``configure_model`` runs before the cut (:func:`.torch.parallel_styles_recorded`), and the recorded styles
+  are applied through it to each rank's own modules after the cut (``_model/tensor_parallel.py``). Checked against
+  2.13.0, with the signature.
 
 - FSDP2 (checked against 2.13): ``fully_shard.state(module)`` and the state's ``_fsdp_param_group(s)``,
   ``_lazy_init`` and ``_root_post_backward_final_callback``; ``FSDPParamGroup.fsdp_params`` and ``post_backward``;
@@ -168,6 +183,10 @@ PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     ("torch.distributed.pipelining.schedules", "_wait_batch_p2p"),
     ("torch.distributed.pipelining.schedules", "_PipelineSchedule._maybe_compute_loss"),
     ("torch.distributed.pipelining.schedules", "_PipelineSchedule._loss_fn"),
+    # torch: stages and meshes, tensor parallelism (see the entries above; tests/test_compat.py checks the signatures)
+    ("torch.distributed.pipelining", "PipelineStage.backward_maybe_with_nosync"),  # _step/pipeline.py: ReducingStage
+    ("torch.distributed.device_mesh", "DeviceMesh._flatten"),  # _lightning/processes.py: pipeline_mesh
+    ("torch.distributed.tensor.parallel.style", "ParallelStyle._apply"),  # _compat/torch.py, _model/tensor_parallel.py
     # torch: FSDP2 (_compat/torch.py; see "FSDP2" above)
     ("torch.distributed.fsdp._fully_shard._fsdp_state", "FSDPState._fsdp_param_group"),
     ("torch.distributed.fsdp._fully_shard._fsdp_state", "FSDPState._fsdp_param_groups"),
