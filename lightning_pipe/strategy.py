@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Generator
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
@@ -42,9 +42,10 @@ from typing_extensions import override
 
 from lightning_pipe import _watchdog
 from lightning_pipe._compat.lightning import count_replicas_in_throughput, init_process_group
-from lightning_pipe._compat.torch import parallel_styles_recorded
+from lightning_pipe._compat.torch import ghost_safe_init
 from lightning_pipe._lightning import callbacks as _callbacks
 from lightning_pipe._lightning import data
+from lightning_pipe._lightning.backward import through_backward_override
 from lightning_pipe._lightning.options import DataParallel as _DataParallel
 from lightning_pipe._lightning.options import Size as _Size
 from lightning_pipe._lightning.options import validated_options
@@ -58,18 +59,13 @@ from lightning_pipe._lightning.processes import (
 )
 from lightning_pipe._lightning.summary import summarize_whole_model
 from lightning_pipe._model.activation_checkpointing import checkpointed_blocks
+from lightning_pipe._model.configure_model import ConfigureModelCalls, recording, sharding_of
 from lightning_pipe._model.cut import Cut, connect_ties, drop_ghosts
-from lightning_pipe._model.materialize import materialize_local
+from lightning_pipe._model.parallelize import Sharded, parallelize_stage
 from lightning_pipe._model.profile import first_batch, measure_backbone
-from lightning_pipe._model.shard import (
-    ShardingOptions,
-    StageSharding,
-    refuse_unshardable,
-    refuse_user_sharding,
-    shard_stage,
-)
+from lightning_pipe._model.shard import ShardingOptions, StageSharding, refuse_unshardable, refuse_user_sharding
 from lightning_pipe._model.split import previous_cut, refuse_unsupported, split_module
-from lightning_pipe._model.tensor_parallel import Record, TensorParallelPlan, choose_plan
+from lightning_pipe._model.tensor_parallel import TensorParallelPlan, choose_plan
 from lightning_pipe._step.microbatches import MicrobatchPolicy
 from lightning_pipe._step.runtime import PipelineRuntime
 from lightning_pipe.checkpoint import _dcp, _files
@@ -149,7 +145,9 @@ class PipelineStrategy(ParallelStrategy):
         check_data_every_n_batches: every stage of a pipeline loads its own data, so the stages compare a
             fingerprint of the batch (shapes, values, order) on the first 3 batches of each run and then on every
             n-th; a mismatch fails on every rank, naming the likely cause. ``None`` turns the check off.
-        data_parallel: how each stage's ``data_parallel_size`` replicas hold it. ``"ddp"`` (default): replicated,
+        data_parallel: how each stage's ``data_parallel_size`` replicas hold it. ``None`` (default): ``"ddp"``, or
+            ``"fsdp"`` when ``configure_model`` calls ``fully_shard`` (as for Lightning's ``ModelParallelStrategy``;
+            its ``reshard_after_forward`` per block and ``MixedPrecisionPolicy`` are honoured). ``"ddp"``: replicated,
             gradients averaged over the replicas after each batch. ``"fsdp"``: sharded over them with torch's FSDP2
             (``fully_shard`` per backbone block, and one unit for the modules outside the backbone), each rank
             holding ``1/data_parallel_size`` of its stage's parameters, gradients and optimizer state; gradients are
@@ -198,7 +196,7 @@ class PipelineStrategy(ParallelStrategy):
         timeline: Union[None, bool, int, str, dict, TimelineOptions] = None,
         stall_timeout: Union[None, float, timedelta] = timedelta(minutes=5),
         check_data_every_n_batches: Optional[int] = 100,
-        data_parallel: _DataParallel = "ddp",
+        data_parallel: Optional[_DataParallel] = None,
         data_parallel_shard_size: _Size = "auto",
         reshard_after_forward: bool = False,
         tensor_parallel_size: int = 1,
@@ -218,7 +216,8 @@ class PipelineStrategy(ParallelStrategy):
         )
         self._sharding: Optional[StageSharding] = None
         self._scale_group: Optional[dist.ProcessGroup] = None
-        self._recorded_styles: list[Record] = []  # what `configure_model` asked `parallelize_module` for
+        self._hooks_context: Optional[ExitStack] = None  # from setup to teardown
+        self._configured = ConfigureModelCalls()  # what `configure_model` asked for ([Note: configure_model's calls])
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._device_mesh: Optional[DeviceMesh] = None
@@ -269,6 +268,12 @@ class PipelineStrategy(ParallelStrategy):
     @property
     def pipeline_rank(self) -> int:
         return self.device_mesh["pipeline_parallel"].get_local_rank()
+
+    @property
+    def _data_parallel(self) -> str:
+        """How the replicas hold each stage: ``data_parallel``, or ``"fsdp"`` when ``configure_model`` calls
+        ``fully_shard`` ([Note: configure_model's calls]); ``"ddp"`` when neither says."""
+        return "fsdp" if self._configured.shards else (self._options.data_parallel or "ddp")
 
     @property
     def tensor_parallel_size(self) -> int:
@@ -344,7 +349,7 @@ class PipelineStrategy(ParallelStrategy):
             options = self._options
             self._device_mesh = pipeline_mesh(
                 options.pipeline_parallel_size, options.data_parallel_size, self.world_size, self.root_device.type,
-                self._process_group_backend, self._timeout, options.data_parallel, options.data_parallel_shard_size,
+                self._process_group_backend, self._timeout, self._data_parallel, options.data_parallel_shard_size,
                 self.num_processes, options.tensor_parallel_size,
             )
             self._scale_group = self._pipeline_side_group()
@@ -387,12 +392,14 @@ class PipelineStrategy(ParallelStrategy):
         since several of them talk to the other ranks:
 
         1. refuse what the pipeline cannot run, with a message that names the fix;
-        2. cut the module into stages and materialise this rank's (:meth:`_cut_into_stages`);
-        3. tell the callbacks, the model summary and the data loaders about the cut (:meth:`_adapt_to_cut`);
-        4. convert the module and its ghosts to the precision plugin's dtypes, on the device;
-        5. connect the copies of each tied parameter over the ranks that hold them (``_cut.connect_ties``);
-        6. build the runtime, and let the precision plugin clip by the norm over the whole pipeline;
-        7. when fitting, the optimizers over this rank's parameters, on the device.
+        2. cut the module into stages (:meth:`_cut_into_stages`);
+        3. materialise this rank's share, split it over the tensor ranks and shard it over the replicas
+           (:meth:`_parallelize`, [Note: stage parallelism]);
+        4. tell the callbacks, the model summary and the data loaders about the cut (:meth:`_adapt_to_cut`);
+        5. convert the module and its ghosts to the precision plugin's dtypes, on the device;
+        6. connect the copies of each tied parameter over the ranks that hold them (``_cut.connect_ties``);
+        7. build the runtime, and let the precision plugin clip by the norm over the whole pipeline;
+        8. when fitting, the optimizers over this rank's parameters, on the device.
         """
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
@@ -404,16 +411,22 @@ class PipelineStrategy(ParallelStrategy):
         options = self._options
         if previous_cut(module) is None:
             refuse_user_sharding(module)
-        if options.data_parallel != "ddp":
-            refuse_unshardable(options.data_parallel, self.precision_plugin, trainer.callbacks)
+        if self._data_parallel != "ddp":
+            refuse_unshardable(self._data_parallel, self.precision_plugin, trainer.callbacks)
         microbatches = MicrobatchPolicy(
             options.num_microbatches, options.schedule, self.pipeline_parallel_size, options.stages_per_rank
         )
         cut = self._cut_into_stages(microbatches, fitting)
+        self._parallelize(cut)
         self._adapt_to_cut(trainer, cut)
         self._convert_precision(cut)
         ties = connect_ties(cut, module, pipelines(self.device_mesh), self.global_rank, self._tie_groups, self._timeout)
-        self._runtime = self._build_runtime(cut, microbatches, ties)
+        self._runtime = self._build_runtime(
+            cut, microbatches, ties, through_backward_override(module) if fitting else None
+        )
+        if self._hooks_context is None:  # the user's hooks may initialise ghosts, until teardown
+            self._hooks_context = ExitStack()
+            self._hooks_context.enter_context(ghost_safe_init())
         self._setup_optimization(trainer, fitting)
         log.debug("rank %d: setup done for %s", self.global_rank, trainer.state.fn)
 
@@ -430,45 +443,39 @@ class PipelineStrategy(ParallelStrategy):
             balance=options.balance, device=device, fitting=fitting,
             sample=lambda: first_batch(module, self.batch_to_device), measure=measure,
         )
-        if self._options.data_parallel == "ddp":
-            materialize_local(module, cut.backbone, device)  # sharded: unit by unit, in `_convert_precision`
-            parallelize = self._tensor_parallel(cut)
-            if parallelize is not None and not self._reused(cut, "tensor_parallel"):
-                with cut.parameters_replaced(module):
-                    for block in self._local_blocks(cut):
-                        parallelize(block)
-                cut.tensor_parallel, cut.prepared_by = True, self
         return cut
 
-    def _reused(self, cut: Cut, what: str) -> bool:
-        """Whether this strategy sharded or split the module in an earlier ``Trainer`` call (``validate`` after
-        ``fit``): then it is used as it is. Another strategy cannot reuse it: its DTensors live on this one's mesh."""
-        done = bool(getattr(cut, what))
-        if done and cut.prepared_by is not self:
-            raise ValueError(
-                "The module was sharded or split over tensor ranks by another `PipelineStrategy`, whose process"
-                " groups its parameters use. Run every `Trainer` call on it with the same strategy object, or create"
-                " a new LightningModule (or load one from a checkpoint)."
-            )
-        return done
-
-    def _local_blocks(self, cut: Cut) -> list[nn.Module]:
-        layout, rank = cut.layout, self.pipeline_rank
-        return [cut.backbone.module(i) for s in layout.rank_stages(rank) for i in range(*layout.bounds[s])]
-
-    def _tensor_parallel(self, cut: Cut) -> Optional[Callable[[nn.Module], None]]:
-        """How to split one of this rank's blocks over its tensor ranks ([Note: tensor-parallel stages]), checked
-        against the first block on every rank alike; ``None`` without tensor parallelism."""
-        backbone = cut.backbone
+    def _parallelize(self, cut: Cut) -> None:
+        """Tensor parallelism, then sharding over the replicas, on this rank's stage ([Note: stage parallelism])."""
+        module, options, backbone = self.lightning_module, self._options, cut.backbone
         blocks = [(backbone.blocks[i].name, backbone.module(i)) for i in range(len(backbone))]
         split = choose_plan(
-            self._options.tensor_parallel_plan, self._recorded_styles, self.tensor_parallel_size,
-            self.lightning_module, blocks,
+            options.tensor_parallel_plan, self._configured.styles, self.tensor_parallel_size, module, blocks
         )
-        if split is None:
-            return None
-        tp_mesh = self.device_mesh["tensor_parallel"]
-        return lambda block: split(block, tp_mesh)
+        recorded = sharding_of(self._configured, [b for _, b in blocks], options.data_parallel)
+        sharded = None
+        if recorded is not None:
+            sharded = Sharded(self.device_mesh["data_parallel"], ShardingOptions(
+                options.reshard_after_forward, recorded.mp_policy, recorded.reshard_after_forward
+            ))
+        elif self._data_parallel != "ddp":
+            mesh = self.device_mesh
+            shard_mesh = mesh[HSDP_DIMS[:2]] if self._data_parallel == "hsdp" else mesh["data_parallel"]
+            precision = getattr(self.precision_plugin, "precision", None)
+            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+                if precision == "bf16-mixed" else MixedPrecisionPolicy()
+            sharded = Sharded(shard_mesh, ShardingOptions(options.reshard_after_forward, policy))
+
+        def prepare(unit: nn.Module) -> None:
+            self.precision_plugin.convert_module(unit)
+            unit.to(self.root_device)
+
+        parallelism = parallelize_stage(
+            module, cut, self.pipeline_rank, owner=self, split=split,
+            tp_mesh=self.device_mesh["tensor_parallel"] if split is not None else None, sharded=sharded,
+            device=self.root_device, prepare=prepare,
+        )
+        self._sharding = parallelism.sharding
 
     def _adapt_to_cut(self, trainer: pl.Trainer, cut: Cut) -> None:
         """Callbacks learn this rank's share, summary and throughput count the whole model, samplers are chosen."""
@@ -481,46 +488,25 @@ class PipelineStrategy(ParallelStrategy):
         self._own_sampling = self._own_sampling or data.takes_over_sampling(trainer, self.data_parallel_size)
 
     def _convert_precision(self, cut: Cut) -> None:
-        """The module (and the ghosts of what other ranks hold) in the precision plugin's dtypes, on the device;
-        sharded over the replicas unit by unit first, with ``data_parallel="fsdp"|"hsdp"`` ([Note: sharded
-        stages])."""
-        self._sharding = None
-        if self._options.data_parallel != "ddp":
-            self._sharding = cut.sharding if self._reused(cut, "sharding") else self._shard(cut)
-            cut.sharding, cut.prepared_by = self._sharding, self
-            cut.tensor_parallel = self.tensor_parallel_size > 1
+        """The module (and the ghosts of what other ranks hold) in the precision plugin's dtypes, on the device."""
         self.model = self.precision_plugin.convert_module(self.lightning_module)
         cut.convert_ghosts(self.pipeline_rank, self.precision_plugin.convert_module)
         self.model_to_device()
 
-    def _shard(self, cut: Cut) -> StageSharding:
-        options, mesh, device = self._options, self.device_mesh, self.root_device
-        shard_mesh = mesh[HSDP_DIMS[:2]] if options.data_parallel == "hsdp" else mesh["data_parallel"]
-        precision = getattr(self.precision_plugin, "precision", None)
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-            if precision == "bf16-mixed" else MixedPrecisionPolicy()
-
-        def prepare(unit: nn.Module) -> None:
-            self.precision_plugin.convert_module(unit)
-            unit.to(device)
-
-        return shard_stage(
-            self.lightning_module, cut, self.pipeline_rank, shard_mesh,
-            ShardingOptions(options.reshard_after_forward, policy), device, prepare, self._tensor_parallel(cut),
-        )
-
     def _build_runtime(
-        self, cut: Cut, microbatches: MicrobatchPolicy, ties: list[tuple[dist.ProcessGroup, list[nn.Parameter]]]
+        self, cut: Cut, microbatches: MicrobatchPolicy, ties: list[tuple[dist.ProcessGroup, list[nn.Parameter]]],
+        through_override: Optional[Callable[[Callable[[], Any]], Any]],
     ) -> PipelineRuntime:
         """This rank's pipeline; the precision plugin clips by the pipeline's norm, a tied parameter counted once."""
         options, mesh, pipeline = self._options, self.device_mesh, self.device_mesh.get_group("pipeline_parallel")
         runtime = PipelineRuntime(
             self.lightning_module, cut, options.schedule, microbatches, pipeline, mesh.get_group("data_parallel"), ties,
-            self.root_device, checkpointed_blocks(options.activation_checkpointing),
+            self.root_device, checkpointed_blocks(options.activation_checkpointing, self._configured.checkpointed),
             amp_scaler=getattr(self.precision_plugin, "scaler", None), timeline=options.timeline,
             check_data_every=options.check_data_every_n_batches, sharding=self._sharding,
             scale_group=self._scale_group,
             tensor_group=mesh.get_group("tensor_parallel") if self.tensor_parallel_size > 1 else None,
+            through_override=through_override,
         )
         assert isinstance(self.precision_plugin, PipelinePrecision)
         counted_once = {id(p) for group, params in ties for p in params if dist.get_rank(group) != 0}
@@ -570,10 +556,9 @@ class PipelineStrategy(ParallelStrategy):
         """``configure_model`` builds on the meta device; each rank then materialises only its own stages. What it asks
         ``parallelize_module`` for is recorded, and applied to each rank's own blocks after the cut ([Note:
         tensor-parallel stages])."""
-        records: list[Record] = []
-        with torch.device("meta"), parallel_styles_recorded(lambda *record: records.append(record)):
+        with torch.device("meta"), recording(self.lightning_module) as calls:
             yield
-        self._recorded_styles = records
+        self._configured = calls
 
     @override
     def on_train_start(self) -> None:
@@ -707,6 +692,9 @@ class PipelineStrategy(ParallelStrategy):
                 self._runtime.drain()
         self._failed = False
         _watchdog.stop()
+        if self._hooks_context is not None:
+            self._hooks_context.close()
+            self._hooks_context = None
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()

@@ -31,7 +31,8 @@ import torch
 import zoo
 from helpers import merged_state
 from test_models import assert_same_training, launch, ranks, reference
-from torch.distributed.tensor.parallel import ColwiseParallel, SequenceParallel
+from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
 from lightning_pipe._lightning.options import validated_options
 from lightning_pipe._model.tensor_parallel import block_plan, check_plan, choose_plan, recorded_plan
@@ -178,9 +179,18 @@ def test_a_size_that_does_not_divide_the_heads_is_refused():
 def test_what_configure_model_asks_for_is_checked_like_a_plan():
     model = zoo.make("llama_tp")
     blocks = [(f"layers.{i}", layer) for i, layer in enumerate(model.layers)]
-    with pytest.raises(ValueError, match="outside the pipelined blocks"):
-        recorded_plan([(ColwiseParallel(), model.output, None)], model, blocks, 2)
-    with pytest.raises(ValueError, match="sequence-parallel plans are not supported"):
-        recorded_plan([(SequenceParallel(), model.layers[0].attention_norm, None)], model, blocks, 2)
+    # The modules outside the blocks and sequence parallelism are taken (each rank applies what lies in its stage)
+    split = recorded_plan(
+        [(ColwiseParallel(), model.output, None), (SequenceParallel(), model.layers[0].attention_norm, None)],
+        model, blocks, 2,
+    )
+    assert split.outside is not None
+    with pytest.raises(ValueError, match="which holds pipelined blocks"):
+        recorded_plan([(SequenceParallel(), model, None)], model, blocks, 2)
+    with pytest.raises(ValueError, match="without parameters"):
+        recorded_plan([(SequenceParallel(), nn.Dropout(), None)], model, blocks, 2)
     with pytest.raises(ValueError, match="does not divide the 32 output features of `layers.1.wk`"):
         recorded_plan([(ColwiseParallel(), model.layers[1].wk, None)], model, blocks, 3)
+    outside = nn.ModuleDict({"emb": nn.Embedding(10, 4)})
+    with pytest.raises(ValueError, match="does not divide the 10 rows of `emb`"):
+        recorded_plan([(RowwiseParallel(), outside.emb, None)], outside, blocks, 4)

@@ -339,3 +339,97 @@ def parallel_styles_recorded(record: Any) -> Iterator[None]:
     finally:
         for c, original in saved.items():
             c._apply = original  # type: ignore[attr-defined]
+
+
+# ---------------------------------------------------------------------------------------------- configure_model's FSDP
+@contextmanager
+def fully_shard_recorded(record: Any) -> Iterator[None]:
+    """Within the block, ``fully_shard(module, **kwargs)`` records ``record(module, kwargs)`` and leaves the module as
+    it is: a ``configure_model`` written for Lightning's ``ModelParallelStrategy`` runs before the pipeline cut, and
+    the strategy shards each rank's own stage after it, as that call asked ([Note: configure_model's calls]).
+
+    Users import ``fully_shard`` by name (from ``torch.distributed.fsdp`` or the older
+    ``torch.distributed._composable.fsdp``), so replacing a module attribute would intercept nothing. ``fully_shard``
+    is ``contract(state_cls=FSDPState)`` around the function that shards: the one function object every import
+    name binds to keeps that function in a closure cell, swapped here for the recorder while the block runs.
+    ``contract``'s wrapper also registers an empty state on the module (under ``contract``'s ``STATE_KEY`` and
+    ``REGISTRY_KEY``), taken off again, so that the strategy's own ``fully_shard`` can apply later (torch 2.13 to
+    2.15)."""
+    import importlib
+
+    from torch.distributed.fsdp import fully_shard
+
+    contract_module = importlib.import_module("torch.distributed._composable.contract")
+
+    cells = [c for c in (fully_shard.__closure__ or ()) if callable(c.cell_contents)
+             and getattr(c.cell_contents, "__name__", "") == "fully_shard"]
+    if len(cells) != 1:
+        raise RuntimeError("lightning_pipe: this torch's `fully_shard` has no inner function to record (2.13-2.15 do).")
+    cell, original = cells[0], cells[0].cell_contents
+    touched: list[Any] = []
+
+    def recorded(module: Any, *args: Any, **kwargs: Any) -> Any:
+        if args:
+            raise TypeError("fully_shard takes its options as keyword arguments")
+        modules = [module] if isinstance(module, torch.nn.Module) else list(module)
+        touched.extend(modules)
+        record(module, kwargs)
+        return module
+
+    recorded.__name__ = original.__name__  # the registry key `contract` takes
+    cell.cell_contents = recorded
+    try:
+        yield
+    finally:
+        cell.cell_contents = original
+        for module in touched:
+            vars(module).get(contract_module.STATE_KEY, {}).pop(recorded, None)
+            vars(module).get(contract_module.REGISTRY_KEY, {}).pop("fully_shard", None)
+
+
+def checkpoint_wrappers(module: Any) -> list[tuple[Any, str, Any, Any]]:
+    """``(parent, name, wrapper, wrapped)`` of each ``checkpoint_wrapper`` child in ``module``, outermost first.
+    ``CheckpointWrapper`` and its ``_checkpoint_wrapped_module`` live in a private module of torch
+    (``torch.distributed.algorithms._checkpoint.checkpoint_wrapper``), the only place ``checkpoint_wrapper`` is
+    offered (torch 2.13 to 2.15). Another activation wrapper (``offload_wrapper``) raises ``ValueError``."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper, CheckpointWrapper
+
+    found = []
+    for parent_name, parent in module.named_modules():
+        for name, child in parent._modules.items():
+            if isinstance(child, CheckpointWrapper):
+                found.append((parent, name, child, child._checkpoint_wrapped_module))
+            elif isinstance(child, ActivationWrapper):
+                raise ValueError(
+                    f"`{f'{parent_name}.{name}'.lstrip('.')}` is wrapped in `{type(child).__name__}`: under"
+                    " `PipelineStrategy` only `checkpoint_wrapper` is honoured (as"
+                    " `PipelineStrategy(activation_checkpointing=...)`). Remove the wrapper."
+                )
+    return found
+
+
+@contextmanager
+def ghost_safe_init() -> Iterator[None]:
+    """Within the block, ``torch.nn.init.trunc_normal_`` leaves a ghost (a parameter another stage holds) as it is.
+
+    A model's own ``init_weights`` runs over the whole model on every rank (Lightning's tensor-parallel example calls
+    it in ``on_train_start``). In-place initialisers on ghosts do nothing already (a ghost computes on the meta
+    device), but torch 2.13's ``trunc_normal_`` redraws by rejection, reading ``mask.any()``, a value a ghost does
+    not have. ``trunc_normal_`` has no ``__torch_function__`` override point, so the module attribute is swapped for
+    the block (user code calls it as ``nn.init.trunc_normal_``); every other tensor goes to torch's own."""
+    from torch.nn import init
+
+    from lightning_pipe._ghost import Ghost
+
+    original = init.trunc_normal_
+
+    def trunc_normal_(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if isinstance(tensor, Ghost):
+            return tensor
+        return original(tensor, *args, **kwargs)
+
+    init.trunc_normal_ = trunc_normal_  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        init.trunc_normal_ = original  # type: ignore[assignment]

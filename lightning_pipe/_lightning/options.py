@@ -38,7 +38,7 @@ class PipelineOptions:
     timeline: Optional[TimelineOptions]
     stall_timeout: Optional[float]  # seconds
     check_data_every_n_batches: Optional[int]
-    data_parallel: str = "ddp"
+    data_parallel: Optional[str] = None  # None: "ddp", or "fsdp" when `configure_model` calls `fully_shard`
     data_parallel_shard_size: Size = "auto"
     reshard_after_forward: bool = False
     tensor_parallel_size: int = 1
@@ -57,7 +57,7 @@ def validated_options(
     timeline: Any,
     stall_timeout: Any = None,
     check_data_every_n_batches: Any = None,
-    data_parallel: Any = "ddp",
+    data_parallel: Any = None,
     data_parallel_shard_size: Any = "auto",
     reshard_after_forward: Any = False,
     tensor_parallel_size: Any = 1,
@@ -105,7 +105,7 @@ def validated_options(
             f"`PipelineStrategy(check_data_every_n_batches={every!r})` must be a positive integer, or None to turn the"
             " check off."
         )
-    if data_parallel not in DATA_PARALLEL_MODES:
+    if data_parallel is not None and data_parallel not in DATA_PARALLEL_MODES:
         raise ValueError(
             f"`PipelineStrategy(data_parallel={data_parallel!r})` is unknown. Use 'ddp' (each stage replicated over its"
             " replicas), 'fsdp' (each stage sharded over them) or 'hsdp' (sharded within groups of"
@@ -118,7 +118,7 @@ def validated_options(
         )
     if not isinstance(reshard_after_forward, bool):
         raise ValueError(f"`PipelineStrategy(reshard_after_forward={reshard_after_forward!r})` must be True or False.")
-    if reshard_after_forward and data_parallel == "ddp":
+    if reshard_after_forward and data_parallel in (None, "ddp"):
         raise ValueError(
             "`PipelineStrategy(reshard_after_forward=True)` applies to sharded stages only. Set"
             " `data_parallel='fsdp'` or 'hsdp', or drop the argument."

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Callable, Union
 
 from torch import nn
@@ -10,9 +11,15 @@ from torch import nn
 Checkpointing = Union[bool, list[str], Callable[[nn.Module], bool]]
 
 
-def checkpointed_blocks(option: Checkpointing) -> Callable[[nn.Module], bool]:
+def checkpointed_blocks(option: Checkpointing, wrapped: Iterable[nn.Module] = ()) -> Callable[[nn.Module], bool]:
     """Which blocks ``activation_checkpointing=`` selects: all (``True``), those of the named classes, those a
-    callable accepts, or none."""
+    callable accepts, or none; and the blocks ``configure_model`` wrapped in ``checkpoint_wrapper`` (``wrapped``)."""
+    chosen = _chosen(option)
+    ids = {id(m) for m in wrapped}
+    return (lambda block: id(block) in ids or chosen(block)) if ids else chosen
+
+
+def _chosen(option: Checkpointing) -> Callable[[nn.Module], bool]:
     if option is True:
         return lambda block: True
     if not option:

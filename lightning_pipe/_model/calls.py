@@ -13,12 +13,14 @@ output) and its output is that tensor, or a tuple/list whose first element is.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from lightning_pipe._errors import BackboneCallError, not_computed_by_last_stage
 from lightning_pipe._ghost import Ghost, ghost_of
@@ -225,6 +227,10 @@ class BlockRunners:
                 name = next((key for key, value in table.items() if value is real), name)
             self._displaced.append((table, name, table.get(name)))
             table[name] = stand_in
+            if isinstance(real, DTensor):  # split over the tensor ranks: its style's hooks cannot take ghosts
+                for hooks in ("_forward_pre_hooks", "_forward_hooks"):
+                    self._displaced.append((vars(owner), hooks, vars(owner)[hooks]))
+                    vars(owner)[hooks] = OrderedDict()
 
 
 class _Capture(BlockCalls):

@@ -81,10 +81,9 @@ class Cut:
             reg.key = self.names.first_name.get(id(reg.tensor), reg.paths[0])
             reg.requires_grad = reg.tensor.requires_grad
         self.param_counts = parameter_counts(module)  # for ModelSummary: the whole model's
-        # What a strategy did to this rank's share after the cut, kept for its next Trainer call on the module:
-        self.sharding: Any = None  # the FSDP units (`_model/shard.py`)
-        self.tensor_parallel = False  # whether the blocks are split over tensor ranks
-        self.prepared_by: Any = None  # the strategy that did it (another one cannot reuse the DTensors' mesh)
+        # What `_model/parallelize.py` applied to this rank's share after the cut (a `StageParallelism`), kept for the
+        # strategy's next Trainer call on the module.
+        self.parallelism: Any = None
         _refuse_shared_storage(module)
         self._place(module)
 

@@ -31,7 +31,8 @@ rank (``mesh["data_parallel"]``; with HSDP, over ``data_parallel_shard`` and rep
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
@@ -54,6 +55,8 @@ class ShardingOptions:
 
     reshard_after_forward: bool = False
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy()
+    #: ``{id(block): reshard_after_forward}`` where a block's own differs (``configure_model``'s ``fully_shard`` calls)
+    per_block: Mapping[int, bool] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, eq=False)
@@ -140,10 +143,11 @@ def shard_stage(
     device: torch.device,
     prepare: Callable[[nn.Module], Any],
     parallelize: Optional[Callable[[nn.Module], None]] = None,
+    parallelize_outside: Optional[Callable[[nn.Module], None]] = None,
 ) -> StageSharding:
-    """Materialise (from the meta device), prepare (dtype, device), split over the tensor ranks (``parallelize``,
-    blocks only) and ``fully_shard`` this rank's units one by one, then the outside unit (see [Note: sharded
-    stages]). Updates ``cut`` to the sharded parameters."""
+    """Materialise (from the meta device), prepare (dtype, device), split over the tensor ranks (``parallelize`` for
+    blocks, ``parallelize_outside`` for the modules outside the backbone) and ``fully_shard`` this rank's units one by
+    one, then the outside unit (see [Note: sharded stages]). Updates ``cut`` to the sharded parameters."""
     backbone, layout = cut.backbone, cut.layout
     indices = [i for s in layout.rank_stages(pipeline_rank) for i in range(*layout.bounds[s])]
     materializer = Materializer(module, backbone, device)
@@ -153,7 +157,8 @@ def shard_stage(
     outside = outside_modules(module, block_ids, local)
     _refuse_shared_across_units(blocks, outside, backbone, indices)
     with cut.parameters_replaced(module):
-        kwargs = dict(mesh=mesh, reshard_after_forward=options.reshard_after_forward, mp_policy=options.mp_policy)
+        rest = options.reshard_after_forward
+        kwargs = dict(mesh=mesh, reshard_after_forward=rest, mp_policy=options.mp_policy)
         units: list[nn.Module] = []
         for index, block in zip(indices, blocks):
             materializer.block(index)
@@ -161,12 +166,14 @@ def shard_stage(
             if parallelize is not None:
                 parallelize(block)
             if any(True for _ in block.parameters()):
-                fully_shard(block, **kwargs)
+                fully_shard(block, **{**kwargs, "reshard_after_forward": options.per_block.get(id(block), rest)})
                 units.append(block)
         materializer.rest()
         outside_unit: Optional[nn.Module] = None
         for m in outside:
             prepare(m)
+            if parallelize_outside is not None:
+                parallelize_outside(m)
         if outside:
             outside_unit = OutsideModules(outside)
             fully_shard(outside_unit, **kwargs)

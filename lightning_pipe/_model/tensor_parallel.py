@@ -17,6 +17,7 @@ of the same tensor rank. Sequence-parallel plans (an activation sharded along th
 from __future__ import annotations
 
 import fnmatch
+from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
 
 from torch import nn
@@ -117,12 +118,15 @@ def check_plan(styles: dict, block: nn.Module, block_name: str, size: int) -> No
 
 
 def _check_split(name: str, module: nn.Module, style: Any, size: int) -> None:
-    if not isinstance(module, nn.Linear) or not isinstance(style, (ColwiseParallel, RowwiseParallel)):
+    if not isinstance(style, (ColwiseParallel, RowwiseParallel)):
         return
-    split, what = (
-        (module.out_features, "output features") if isinstance(style, ColwiseParallel)
-        else (module.in_features, "input features")
-    )
+    colwise = isinstance(style, ColwiseParallel)
+    if isinstance(module, nn.Linear):
+        split, what = (module.out_features, "output features") if colwise else (module.in_features, "input features")
+    elif isinstance(module, nn.Embedding):
+        split, what = (module.embedding_dim, "embedding features") if colwise else (module.num_embeddings, "rows")
+    else:
+        return
     if split % size:
         raise ValueError(
             f"`tensor_parallel_size={size}` does not divide the {split} {what} of `{name}` ({type(style).__name__})."
@@ -135,33 +139,61 @@ def _check_split(name: str, module: nn.Module, style: Any, size: int) -> None:
 Record = tuple[ParallelStyle, nn.Module, DeviceMesh]
 
 
-def recorded_plan(records: list[Record], module: nn.Module, blocks: list[tuple[str, nn.Module]], size: int) -> Callable:
-    """What the user's ``configure_model`` asked ``parallelize_module`` for, as a callable ``(block, tp_mesh)`` that
-    applies it to one block; checked on every rank alike (the records are): each split module lies inside a backbone
-    block, no style shards an activation, and the sizes divide. Raises ``ValueError`` naming the fix."""
+@dataclass(frozen=True)
+class TensorParallelSplit:
+    """How this rank's modules are split over its tensor ranks: ``block(block, tp_mesh)`` for each local block and,
+    when the plan also splits modules outside the backbone (a recorded ``configure_model``), ``outside(module,
+    tp_mesh)`` for each outside module this rank holds."""
+
+    block: Callable[[nn.Module, DeviceMesh], None]
+    outside: Optional[Callable[[nn.Module, DeviceMesh], None]] = None
+
+
+def recorded_plan(
+    records: list[Record], module: nn.Module, blocks: list[tuple[str, nn.Module]], size: int
+) -> TensorParallelSplit:
+    """What the user's ``configure_model`` asked ``parallelize_module`` for, applied to each of this rank's blocks and
+    to the modules outside the backbone it holds (embedding, final norm, head: [Note: tensor-parallel stages]);
+    checked on every rank alike (the records are): no style splits a container of blocks, and the sizes divide.
+    Raises ``ValueError`` naming the fix."""
     names = {id(m): n for n, m in module.named_modules()}
-    owner: dict[int, str] = {}
-    for block_name, block in blocks:
-        for sub in block.modules():
-            owner[id(sub)] = block_name
+    block_ids = {id(block) for _, block in blocks}
     for style, target, _ in records:
         name = names.get(id(target), type(target).__name__)
-        if id(target) not in owner:
+        if id(target) not in block_ids and any(id(sub) in block_ids for sub in target.modules()):
             raise ValueError(
-                f"`configure_model` splits `{name}` over the tensor-parallel ranks ({type(style).__name__}), but it is"
-                " outside the pipelined blocks. Under `PipelineStrategy` the modules outside the backbone (embedding,"
-                " final norm, head) stay replicated over the tensor ranks: leave them out of the plan."
+                f"`configure_model` applies {type(style).__name__} to `{name}`, which holds pipelined blocks: under"
+                " `PipelineStrategy` each stage holds only some of them. Apply the style to the blocks themselves"
+                " (`layers.0`) or to the modules outside them (embedding, norm, head)."
             )
-        _refuse_sequence_parallel(name, style)
+        if not _has_weights(target) and not _inside_block(target, blocks):
+            raise ValueError(
+                f"`configure_model` applies {type(style).__name__} to `{name}`, a module outside the pipelined blocks"
+                " without parameters: the strategy cannot tell which stage runs it. Apply the style to a block or to"
+                " a module with parameters (embedding, norm, head)."
+            )
         _check_split(name, target, style, size)
 
-    def apply(block: nn.Module, mesh: DeviceMesh) -> None:
-        inside = {id(m) for m in block.modules()}
+    def apply(part: nn.Module, mesh: DeviceMesh) -> None:
+        inside = {id(m) for m in part.modules()}
         for style, target, device_mesh in records:
             if id(target) in inside:
                 type(style)._apply(style, target, device_mesh)
 
-    return apply
+    return TensorParallelSplit(block=apply, outside=apply)
+
+
+def _has_weights(module: nn.Module) -> bool:
+    """Whether ``module`` has parameters, this rank's or (after the cut) another rank's, which are ghosts here."""
+    from lightning_pipe._ghost import Ghost
+
+    return any(True for _ in module.parameters()) or any(
+        isinstance(value, Ghost) for sub in module.modules() for value in vars(sub).values()
+    )
+
+
+def _inside_block(target: nn.Module, blocks: list[tuple[str, nn.Module]]) -> bool:
+    return any(target is sub for _, block in blocks for sub in block.modules())
 
 
 def parallelize_block(plan: Union[dict, Callable], block: nn.Module, mesh: DeviceMesh) -> None:
@@ -174,8 +206,8 @@ def parallelize_block(plan: Union[dict, Callable], block: nn.Module, mesh: Devic
 
 def choose_plan(
     plan: TensorParallelPlan, records: list[Record], size: int, module: nn.Module, blocks: list[tuple[str, nn.Module]]
-) -> Optional[Callable[[nn.Module, DeviceMesh], None]]:
-    """How to split one of this rank's blocks: from ``tensor_parallel_plan``, or from what the user's
+) -> Optional[TensorParallelSplit]:
+    """How to split this rank's modules: from ``tensor_parallel_plan`` (the blocks only), or from what the user's
     ``configure_model`` asked ``parallelize_module`` for (``records``); ``None`` without tensor parallelism. The same
     on every rank; raises ``ValueError`` naming the fix."""
     if size == 1:
@@ -197,7 +229,7 @@ def choose_plan(
             check_plan(styles, blocks[0][1], blocks[0][0], size)
         if plan == "auto":
             _check_heads(module, size)
-        return lambda block, mesh: parallelize_block(styles, block, mesh)
+        return TensorParallelSplit(block=lambda block, mesh: parallelize_block(styles, block, mesh))
     if records:
         return recorded_plan(records, module, blocks, size)
     raise ValueError(

@@ -35,6 +35,7 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 
 from lightning_pipe._ghost import Ghost
@@ -138,7 +139,7 @@ class LossWeighing:
                 " same way for every batch (always the same mean-reduced cross-entropy, or always"
                 f" `{{'loss': ..., '{NUM_ITEMS}': ...}}`)."
             )
-        self.losses.append(loss.detach())
+        self.losses.append(whole(loss).detach())
         if weight is None:
             self._note_unweighted(loss, observer)
             return None, 1.0
@@ -193,6 +194,12 @@ class LossWeighing:
 def warn_unweighted(message: str) -> None:
     """Emit :meth:`LossWeighing.warning`'s message (the runtime does so once per run)."""
     warnings.warn(message, PipelineDataDependentMeanWarning, stacklevel=2)
+
+
+def whole(loss: Tensor) -> Tensor:
+    """A loss computed on DTensors (``loss_parallel()`` over vocabulary-sharded logits gives a replicated DTensor) as
+    the plain tensor every tensor rank holds, still connected to the graph; any other loss as it is."""
+    return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
 
 def _weight_of(result: Any, loss: Tensor, observer: MeanObserver) -> tuple[Optional[Tensor], str]:

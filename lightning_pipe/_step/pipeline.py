@@ -94,8 +94,15 @@ class ReducingStage(PipelineStage):
     runs ([Note: overlapped reductions]); every other call is torch's own."""
 
     overlap: Optional[ReductionOverlap] = None
+    #: The user's ``backward`` override that the last stage's backward runs through ([Note: backward overrides]).
+    through_override: Optional[Callable[[Callable[[], Any]], Any]] = None
 
     def backward_maybe_with_nosync(self, backward_type: Any, bwd_kwargs: dict, *args: Any, **kwargs: Any) -> Any:
+        if self.is_last and self.through_override is not None and backward_type in ("full", "input"):
+            return self.through_override(lambda: self._backward(backward_type, bwd_kwargs, *args, **kwargs))
+        return self._backward(backward_type, bwd_kwargs, *args, **kwargs)
+
+    def _backward(self, backward_type: Any, bwd_kwargs: dict, *args: Any, **kwargs: Any) -> Any:
         last = kwargs.get("last_backward", args[0] if args else False)
         if self.overlap is None or not last or backward_type != "full":
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, *args, **kwargs)
@@ -144,6 +151,7 @@ class StagePipeline:
         self._metas: OrderedDict[tuple, dict[int, tuple[Meta, Meta]]] = OrderedDict()  # see _stage_metas
         self._loss_fn: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None
         self.overlap: Optional[ReductionOverlap] = None  # reductions in the last backward (set by the runtime)
+        self.through_override: Optional[Callable[[Callable[[], Any]], Any]] = None  # set by the runtime
 
     @property
     def shape_stats(self) -> ShapeStats:
@@ -281,6 +289,7 @@ class StagePipeline:
                 }
             stage = ReducingStage(module, index, num_stages, self.device, group=self.group, **kwargs)
             stage.overlap = self.overlap if training else None
+            stage.through_override = self.through_override
             stages.append(stage)
         return stages
 

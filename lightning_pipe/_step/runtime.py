@@ -55,7 +55,7 @@ from lightning_pipe._model.structure import everything_ghosted
 from lightning_pipe._model.untouched import untouched
 from lightning_pipe._step.gradients import Gradients
 from lightning_pipe._step.last_backward import ReductionOverlap
-from lightning_pipe._step.loss_weights import LossWeighing, warn_unweighted
+from lightning_pipe._step.loss_weights import LossWeighing, warn_unweighted, whole
 from lightning_pipe._step.microbatches import MicrobatchPolicy
 from lightning_pipe._step.pipeline import StageModule, StagePipeline
 from lightning_pipe._step.program import StepProgram
@@ -106,6 +106,7 @@ class PipelineRuntime:
         sharding: Optional[StageSharding] = None,
         scale_group: Optional[dist.ProcessGroup] = None,
         tensor_group: Optional[dist.ProcessGroup] = None,
+        through_override: Optional[Callable[[Callable[[], Any]], Any]] = None,
     ) -> None:
         sharding = ShardedStages.of(sharding) if sharding is not None else None  # with its per-batch calls
         self.module = module
@@ -137,6 +138,7 @@ class PipelineRuntime:
         replicas = dp_group if dist.get_world_size(dp_group) > 1 else None
         self.overlap = self._overlap(cut, bounds, replicas, scale_group, sharding) if replicas is not None else None
         self.pipeline.overlap = self.overlap
+        self.pipeline.through_override = through_override  # [Note: backward overrides]
         self.pipeline.check_schedule()
         channel = (pp_group, self.pipeline.last_stage_rank, layout.pipeline_size, device)
         self._train_channel, self._eval_channel = LogChannel(*channel), LogChannel(*channel)
@@ -180,6 +182,7 @@ class PipelineRuntime:
                 result = program.run_answering(output, step, program.sub_batch(rows), *rest, **kwargs)
             loss = loss_of(result)
             weight, factor = weighing.add(result, loss, observer)
+            loss = whole(loss)
             if self.overlap is not None and len(weighing.losses) == num_microbatches:
                 self.overlap.share_scale(weighing.result()[1])  # the other stages reduce with it as they finish
             if weight is not None:
@@ -287,7 +290,7 @@ class PipelineRuntime:
         if received is not None:
             ghost_in = Ghost(torch.empty(received[0], dtype=received[1], device="meta"), self.device)
         dtypes = self.sharding.compute_dtypes() if self.sharding is not None else None
-        if not self.cut.tensor_parallel:  # DTensor's hooks and ops cannot run on ghosts: probed for real
+        if not self.cut.parallelism.tensor_parallel:  # DTensor's hooks and ops cannot run on ghosts: probed for real
             with torch.no_grad(), everything_ghosted(module, self.device, dtypes), \
                     metrics_set_aside(module_metrics(module)), fsdp_hooks_suspended(module):
                 try:
