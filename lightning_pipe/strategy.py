@@ -7,7 +7,6 @@ by helpers that take explicit arguments (splitting, checkpoints, the precision p
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Generator
 from contextlib import ExitStack, contextmanager, nullcontext
@@ -20,53 +19,36 @@ import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
-    _sync_ddp_if_available,
 )
-from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
-from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy
 from typing_extensions import override
 
 from lightning_pipe import _watchdog
-from lightning_pipe._compat.lightning import count_replicas_in_throughput, init_process_group
+from lightning_pipe._compat.lightning import init_process_group
 from lightning_pipe._compat.torch import ghost_safe_init
 from lightning_pipe._lightning import callbacks as _callbacks
 from lightning_pipe._lightning import data
-from lightning_pipe._lightning.backward import through_backward_override
+from lightning_pipe._lightning.collectives import WatchedCollectives
 from lightning_pipe._lightning.options import DataParallel as _DataParallel
 from lightning_pipe._lightning.options import Size as _Size
 from lightning_pipe._lightning.options import validated_options
-from lightning_pipe._lightning.precision import PipelinePrecision, pipeline_precision
-from lightning_pipe._lightning.processes import (
-    HSDP_DIMS,
-    end_launched_processes,
-    launched_processes,
-    pipeline_mesh,
-    pipelines,
-)
-from lightning_pipe._lightning.summary import summarize_whole_model
-from lightning_pipe._model.activation_checkpointing import checkpointed_blocks
-from lightning_pipe._model.configure_model import ConfigureModelCalls, recording, sharding_of
-from lightning_pipe._model.cut import Cut, connect_ties, drop_ghosts
-from lightning_pipe._model.parallelize import Sharded, parallelize_stage
-from lightning_pipe._model.profile import first_batch, measure_backbone
-from lightning_pipe._model.shard import ShardingOptions, StageSharding, refuse_unshardable, refuse_user_sharding
-from lightning_pipe._model.split import previous_cut, refuse_unsupported, split_module
-from lightning_pipe._model.tensor_parallel import TensorParallelPlan, choose_plan
-from lightning_pipe._step.microbatches import MicrobatchPolicy
+from lightning_pipe._lightning.parallel_dims import ParallelDims
+from lightning_pipe._lightning.precision import pipeline_precision
+from lightning_pipe._lightning.processes import end_launched_processes, launched_processes
+from lightning_pipe._model.configure_model import ConfigureModelCalls, recording
+from lightning_pipe._model.cut import drop_ghosts
+from lightning_pipe._model.tensor_parallel import TensorParallelPlan
+from lightning_pipe._setup import SetupArgs, build_pipeline
 from lightning_pipe._step.runtime import PipelineRuntime
 from lightning_pipe.checkpoint import _dcp, _files
 from lightning_pipe.checkpoint._names import all_gather
@@ -82,8 +64,7 @@ __all__ = ["PipelineStrategy"]
 log = logging.getLogger(__name__)
 
 
-
-class PipelineStrategy(ParallelStrategy):
+class PipelineStrategy(WatchedCollectives, ParallelStrategy):
     """Pipeline parallelism for an unchanged LightningModule, on ``torch.distributed.pipelining``.
 
     The module's backbone (its blocks, in one or more containers) is cut into contiguous stages, one or more per
@@ -94,84 +75,55 @@ class PipelineStrategy(ParallelStrategy):
     everything logged reaches every rank as the full-batch value.
 
     Args:
-        pipeline_parallel_size: processes per pipeline. ``"auto"``: all processes, or
-            ``world_size // data_parallel_size`` when that is given.
-        data_parallel_size: pipeline replicas, each fed its own share of the data. ``"auto"``:
-            ``world_size // pipeline_parallel_size``.
-        num_microbatches: microbatches each batch is split into. A batch it does not divide (a ragged last
-            batch) uses the largest count below it that does, so every microbatch has the same size. ``"auto"``:
-            chosen for each batch size by :func:`lightning_pipe.plan.default_num_microbatches`: the smallest
-            divisor of the batch size that is at least ``4 * pipeline_parallel_size`` (``2 *`` with two stages
-            per process; a bubble under 20%) and that the schedule accepts, else the largest accepted one below
-            it; 1 for a pipeline of one process. See ``docs/planner.md``.
+        pipeline_parallel_size: processes per pipeline. ``"auto"``: all processes, or ``world_size //
+            data_parallel_size`` when that is given.
+        data_parallel_size: pipeline replicas, each fed its own share of the data. ``"auto"``: what the processes
+            leave (``world_size // (pipeline_parallel_size * tensor_parallel_size)``).
+        num_microbatches: microbatches each batch is split into (a ragged last batch uses the largest count below it
+            that divides it). ``"auto"``: the smallest divisor of the batch size that is at least ``4 *
+            pipeline_parallel_size`` (``2 *`` with two stages per process) and that the schedule accepts; 1 for a
+            pipeline of one process (:func:`lightning_pipe.plan.default_num_microbatches`, ``docs/planner.md``).
         schedule: a ``torch.distributed.pipelining`` schedule by name: ``"1F1B"`` (default), ``"GPipe"``,
-            ``"Interleaved1F1B"``, ``"LoopedBFS"``, ``"InterleavedZeroBubble"``, ``"ZBVZeroBubble"`` or
-            ``"DualPipeV"`` (see :mod:`lightning_pipe.schedules`).
-        stages_per_rank: virtual stages per process. ``"auto"``: 1 for single-stage schedules (1F1B, GPipe), 2
-            for multi-stage ones. Stage ``s`` runs on pipeline rank ``s % pipeline_parallel_size`` (zig-zag for
-            the V schedules, as torch expects).
-        backbone: the blocks to pipeline: the dotted path of an ``nn.Sequential`` the model calls, or of an
-            ``nn.ModuleList``/``nn.Sequential``/``nn.ModuleDict`` its code loops over (``"model.layers"``,
-            ``"transformer.h"``, ``"blocks"``), or a list of consecutive containers (``["layer1", ..., "layer4"]``).
-            ``"auto"`` (default): a ``backbone`` attribute if there is one, else the longest container of repeated
-            blocks (said at setup; refused, listing the candidates, when two are equally long). Modules outside the
-            backbone train too: those the step runs before it live on the first stage, the rest on the last; a
-            parameter used on both ends (a head tied to the embedding) lives on both, with its gradients summed.
-        balance: how modules are assigned to stages: ``"uniform"`` (same module count per stage, the first
-            stages take the remainder), ``"parameters"`` (minimise the largest stage's parameter count), ``"time"``
-            (before training, rank 0 times each module's forward+backward on one microbatch of the first batch on
-            the real device, the last module together with the ``training_step`` loss, and the split minimises the
-            slowest stage; every rank uses rank 0's measurement), or
-            an explicit list with the number of modules of each stage. Checkpoints store the split:
-            ``balance=lightning_pipe.stored_balance(ckpt_dir)`` reuses it on resume.
-        activation_checkpointing: recompute activations in backward instead of keeping them. ``True``: every
-            backbone module of every stage; a list of class names (e.g. ``["Block"]``) or a callable
-            ``module -> bool``: the backbone modules it selects. Results are unchanged; memory goes down.
+            ``"Interleaved1F1B"``, ``"LoopedBFS"``, ``"InterleavedZeroBubble"``, ``"ZBVZeroBubble"``, ``"DualPipeV"``.
+        stages_per_rank: virtual stages per process. ``"auto"``: 1 for 1F1B and GPipe, 2 for multi-stage schedules.
+        backbone: the blocks to pipeline, by dotted path: an ``nn.Sequential`` the model calls, an
+            ``nn.ModuleList``/``nn.Sequential``/``nn.ModuleDict`` its code loops over (``"model.layers"``), or a list
+            of consecutive containers. ``"auto"`` (default): a ``backbone`` attribute, else the longest container of
+            repeated blocks (refused, listing the candidates, when two are equally long). See ``docs/models.md``.
+        balance: modules per stage: ``"uniform"`` (default), ``"parameters"`` (minimise the largest stage's parameter
+            count), ``"time"`` (each module's forward+backward timed on the first batch by rank 0; minimise the
+            slowest stage), or a list of counts (``lightning_pipe.stored_balance(ckpt_dir)`` reuses a checkpoint's).
+        activation_checkpointing: recompute activations in backward: ``True`` (every block), a list of class names
+            or a callable ``module -> bool``. Blocks a ``configure_model`` wraps in ``checkpoint_wrapper`` too.
         accelerator: as for every Lightning strategy; normally set by the Trainer.
         parallel_devices: as for every Lightning strategy; normally set by the Trainer.
         cluster_environment: as for every Lightning strategy; normally set by the Trainer.
         checkpoint_io: as for every Lightning strategy; the pipeline saves with ``torch.distributed.checkpoint``.
-        precision_plugin: as for every Lightning strategy; normally set by the Trainer's ``precision=``. The
-            strategy runs a copy of it that clips gradients by the norm over the whole pipeline and makes every
-            rank agree on skipping a step whose fp16 gradients overflowed.
+        precision_plugin: as for every Lightning strategy (the Trainer's ``precision=``); run as a copy that clips
+            by the norm over the whole pipeline and skips an overflowed fp16 step on every rank together.
         process_group_backend: ``"gloo"`` on CPU and ``"nccl"`` on GPU unless given.
-        timeout: how long a collective or point-to-point transfer may wait before the job fails (every process
-            group of the mesh, the pipeline's included).
-        stall_timeout: how long a rank may wait for another stage (the shape exchange before the first step, a
-            step's activations and gradients, the logged values from the last stage) before it says on stderr which
-            stage waits for what from which rank, with its stack. Only a report: the job fails when ``timeout`` runs
-            out. Seconds or a ``timedelta``; ``None``: never. SIGTERM and SIGINT end every rank within about 10 s
-            even while it is blocked in a transfer (see ``docs/reliability.md``).
-        check_data_every_n_batches: every stage of a pipeline loads its own data, so the stages compare a
-            fingerprint of the batch (shapes, values, order) on the first 3 batches of each run and then on every
-            n-th; a mismatch fails on every rank, naming the likely cause. ``None`` turns the check off.
-        data_parallel: how each stage's ``data_parallel_size`` replicas hold it. ``None`` (default): ``"ddp"``, or
-            ``"fsdp"`` when ``configure_model`` calls ``fully_shard`` (as for Lightning's ``ModelParallelStrategy``;
-            its ``reshard_after_forward`` per block and ``MixedPrecisionPolicy`` are honoured). ``"ddp"``: replicated,
-            gradients averaged over the replicas after each batch. ``"fsdp"``: sharded over them with torch's FSDP2
-            (``fully_shard`` per backbone block, and one unit for the modules outside the backbone), each rank
-            holding ``1/data_parallel_size`` of its stage's parameters, gradients and optimizer state; gradients are
-            reduce-scattered once per batch. ``"hsdp"``: sharded within groups of ``data_parallel_shard_size``
-            replicas and replicated across the groups. See ``docs/scaling.md``.
-        data_parallel_shard_size: with ``data_parallel="hsdp"``, the replicas in each sharding group (consecutive
-            ranks); ``"auto"``: the processes per node.
-        reshard_after_forward: with sharded stages, free each block's gathered parameters after every forward and
-            gather them again for its backward (less memory, one all-gather per microbatch); ``False`` (default, as
-            torchtitan under a pipeline): gathered once per batch.
-        tensor_parallel_size: processes that split each block's matrices (DTensor, torch's ``parallelize_module``),
-            consecutive ranks of one node; 1 (default): none. The processes are ``pipeline_parallel_size *
-            data_parallel_size * tensor_parallel_size``.
-        tensor_parallel_plan: how each block is split over its tensor ranks: a ``parallelize_module`` plan relative to
-            one block, keys with wildcards and ``"colwise"``/``"rowwise"`` or ``ParallelStyle`` values (``{"attn.wq":
-            "colwise", "attn.wo": "rowwise"}``), a callable ``(block, tp_mesh) -> None``, or ``"auto"``: a Hugging
-            Face model's own ``config.base_model_tp_plan``. Applied to each rank's own blocks after the cut; the
-            modules outside the backbone stay replicated. See ``docs/scaling.md``.
-        timeline: trace one training step to see where the pipeline waits. ``True``: the first batch of
-            ``global_step`` 1 (step 0 also sets the schedule up); an int: of that step; a directory; or a dict or
-            :class:`~lightning_pipe.timeline.TimelineOptions` with ``step``, ``dirpath``, ``png``. Global rank 0
-            writes ``timeline.json`` (open in https://ui.perfetto.dev) and ``timeline.png`` (needs matplotlib) into
-            ``dirpath`` (default: the Trainer's ``log_dir``) and logs ``timeline/bubble_fraction`` and
-            ``timeline/stage<s>_busy_s`` to the Trainer's loggers.
+        timeout: how long a collective or point-to-point transfer may wait before the job fails.
+        stall_timeout: how long a rank may wait for another stage before it reports on stderr what it waits for
+            (seconds or a ``timedelta``; ``None``: never). A report only; see ``docs/reliability.md``.
+        check_data_every_n_batches: the stages of a pipeline compare a fingerprint of their batch on the first 3
+            batches and every n-th; a mismatch fails on every rank. ``None`` turns the check off.
+        data_parallel: how each stage's replicas hold it: ``"ddp"`` (replicated), ``"fsdp"`` (sharded over them with
+            FSDP2: one unit per block, one for the modules outside the backbone) or ``"hsdp"`` (sharded within groups
+            of ``data_parallel_shard_size``, replicated across them). ``None`` (default): ``"fsdp"`` when
+            ``configure_model`` calls ``fully_shard`` (its ``reshard_after_forward`` and ``MixedPrecisionPolicy``
+            honoured), else ``"ddp"``. See ``docs/scaling.md``.
+        data_parallel_shard_size: replicas per sharding group with ``"hsdp"``; ``"auto"``: the processes per node.
+        reshard_after_forward: sharded stages free each block's gathered parameters after every forward (less memory,
+            one all-gather per microbatch); ``False`` (default, as torchtitan under a pipeline): once per batch.
+        tensor_parallel_size: processes that split each stage's matrices (DTensor), consecutive ranks; 1: none.
+        tensor_parallel_plan: how blocks are split over the tensor ranks: a ``parallelize_module`` plan relative to one
+            block (``{"attn.wq": "colwise", "attn.wo": "rowwise"}``, wildcards, ``ParallelStyle`` values), a callable
+            ``(block, tp_mesh)``, ``"auto"`` (a Hugging Face model's ``base_model_tp_plan``), or ``None``: what
+            ``configure_model`` asks ``parallelize_module`` for on ``self.device_mesh["tensor_parallel"]`` (the
+            modules outside the blocks and sequence parallelism included), applied to each rank's own stage.
+        timeline: trace one training step: ``True`` (``global_step`` 1), a step, a directory, or a dict or
+            :class:`~lightning_pipe.timeline.TimelineOptions`. Rank 0 writes ``timeline.json`` (Perfetto) and
+            ``timeline.png`` and logs the measured bubble. See ``docs/performance.md``.
     """
 
     strategy_name = "pipeline"
@@ -214,13 +166,11 @@ class PipelineStrategy(ParallelStrategy):
             activation_checkpointing, timeline, stall_timeout, check_data_every_n_batches, data_parallel,
             data_parallel_shard_size, reshard_after_forward, tensor_parallel_size, tensor_parallel_plan,
         )
-        self._sharding: Optional[StageSharding] = None
-        self._scale_group: Optional[dist.ProcessGroup] = None
         self._hooks_context: Optional[ExitStack] = None  # from setup to teardown
         self._configured = ConfigureModelCalls()  # what `configure_model` asked for ([Note: configure_model's calls])
         self._process_group_backend = process_group_backend
         self._timeout = timeout
-        self._device_mesh: Optional[DeviceMesh] = None
+        self._dims: Optional[ParallelDims] = None
         self._runtime: Optional[PipelineRuntime] = None
         self._tie_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}  # by global ranks; created once per job
         self._failed = False  # set by `on_exception`: teardown must not wait on the other ranks then
@@ -235,15 +185,21 @@ class PipelineStrategy(ParallelStrategy):
 
     @property
     def device_mesh(self) -> DeviceMesh:
-        """The 2-D ``("data_parallel", "pipeline_parallel")`` mesh: ``mesh["pipeline_parallel"]`` is this rank's
-        pipeline, ``mesh["data_parallel"]`` its replicas (named as in Lightning's ``ModelParallelStrategy``). With
-        ``data_parallel="hsdp"`` it is 3-D, ``("data_parallel_replicate", "data_parallel_shard",
-        "pipeline_parallel")``, and ``mesh["data_parallel"]`` is the first two flattened."""
-        if self._device_mesh is None:
+        """The mesh over every process ([Note: the mesh]): ``mesh["pipeline_parallel"]`` is this rank's pipeline,
+        ``mesh["data_parallel"]`` its replicas and ``mesh["tensor_parallel"]`` (with ``tensor_parallel_size > 1``) the
+        processes that split its blocks, named as in Lightning's ``ModelParallelStrategy``."""
+        mesh = self.dims.mesh
+        assert mesh is not None
+        return mesh
+
+    @property
+    def dims(self) -> ParallelDims:
+        """The sizes of the mesh's dimensions, and its groups by name; set up when the processes start."""
+        if self._dims is None:
             raise RuntimeError(
                 "`PipelineStrategy.device_mesh` is set up when the processes start; access it from `setup` on."
             )
-        return self._device_mesh
+        return self._dims
 
     @property
     def runtime(self) -> PipelineRuntime:
@@ -259,21 +215,15 @@ class PipelineStrategy(ParallelStrategy):
 
     @property
     def pipeline_parallel_size(self) -> int:
-        return self.device_mesh["pipeline_parallel"].size()
+        return self.dims.pipeline
 
     @property
     def data_parallel_size(self) -> int:
-        return self.device_mesh["data_parallel"].size()
+        return self.dims.data
 
     @property
     def pipeline_rank(self) -> int:
-        return self.device_mesh["pipeline_parallel"].get_local_rank()
-
-    @property
-    def _data_parallel(self) -> str:
-        """How the replicas hold each stage: ``data_parallel``, or ``"fsdp"`` when ``configure_model`` calls
-        ``fully_shard`` ([Note: configure_model's calls]); ``"ddp"`` when neither says."""
-        return "fsdp" if self._configured.shards else (self._options.data_parallel or "ddp")
+        return self.dims.pipeline_rank
 
     @property
     def tensor_parallel_size(self) -> int:
@@ -282,7 +232,7 @@ class PipelineStrategy(ParallelStrategy):
 
     @property
     def data_parallel_rank(self) -> int:
-        return self.device_mesh["data_parallel"].get_local_rank()
+        return self.dims.data_rank
 
     @property
     @override
@@ -343,33 +293,15 @@ class PipelineStrategy(ParallelStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         self._setup_distributed()
-        if self._device_mesh is None:
+        if self._dims is None:
             # Built once per strategy: Lightning keeps each logged key's `sync_dist_group` across `fit`, `validate`,
             # `test` on one Trainer and refuses another group object for the same key.
-            options = self._options
-            self._device_mesh = pipeline_mesh(
-                options.pipeline_parallel_size, options.data_parallel_size, self.world_size, self.root_device.type,
-                self._process_group_backend, self._timeout, self._data_parallel, options.data_parallel_shard_size,
-                self.num_processes, options.tensor_parallel_size,
-            )
-            self._scale_group = self._pipeline_side_group()
-            log.debug(
-                "rank %d: mesh dp=%d x pp=%d, pipeline rank %d",
-                self.global_rank, self.data_parallel_size, self.pipeline_parallel_size, self.pipeline_rank,
-            )
+            dims = self._dims = ParallelDims.of(self._options, self.world_size, self.num_processes)
+            dims.build(self.root_device.type, self._process_group_backend, self._timeout)
+            log.debug("rank %d: %s, pipeline rank %d", self.global_rank, dims, dims.pipeline_rank)
         assert self.lightning_module is not None
-        self.lightning_module._device_mesh = self._device_mesh  # what `LightningModule.device_mesh` returns
+        self.lightning_module._device_mesh = self.device_mesh  # what `LightningModule.device_mesh` returns
         _watchdog.start(self.global_rank, lambda: launched_processes(self.launcher), self._options.stall_timeout)
-
-    def _pipeline_side_group(self) -> Optional[dist.ProcessGroup]:
-        """A second group over each pipeline, which carries each step's loss weight from the last stage while the
-        schedule uses the pipeline's own ([Note: overlapped reductions]); needed with replicas to reduce over."""
-        pp = self.pipeline_parallel_size
-        rows = pipelines(self.device_mesh)
-        if pp == 1 or self.data_parallel_size == 1:
-            return None
-        group, _ = dist.new_subgroups_by_enumeration([row.tolist() for row in rows], timeout=self._timeout)
-        return group
 
     def _setup_distributed(self) -> None:
         reset_seed()
@@ -388,138 +320,28 @@ class PipelineStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ setup
     @override
     def setup(self, trainer: pl.Trainer) -> None:
-        """Build this rank's pipeline for the ``Trainer`` call that starts. Every rank runs these steps in this order,
-        since several of them talk to the other ranks:
-
-        1. refuse what the pipeline cannot run, with a message that names the fix;
-        2. cut the module into stages (:meth:`_cut_into_stages`);
-        3. materialise this rank's share, split it over the tensor ranks and shard it over the replicas
-           (:meth:`_parallelize`, [Note: stage parallelism]);
-        4. tell the callbacks, the model summary and the data loaders about the cut (:meth:`_adapt_to_cut`);
-        5. convert the module and its ghosts to the precision plugin's dtypes, on the device;
-        6. connect the copies of each tied parameter over the ranks that hold them (``_cut.connect_ties``);
-        7. build the runtime, and let the precision plugin clip by the norm over the whole pipeline;
-        8. when fitting, the optimizers over this rank's parameters, on the device.
-        """
+        """Build this rank's pipeline for the ``Trainer`` call that starts (refusals, the cut, tensor parallelism and
+        sharding, callbacks, precision, ties, the runtime: :func:`lightning_pipe._setup.build_pipeline`), then the
+        optimizers over this rank's parameters."""
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
-        module, fitting = self.lightning_module, trainer.state.fn == TrainerFn.FITTING
-        refuse_unsupported(
-            module, fitting=fitting, sync_batchnorm=self._layer_sync is not None,
-            pipeline_parallel_size=self.pipeline_parallel_size,
+        args = SetupArgs(
+            self._options, self.dims, self._configured, self.precision_plugin, self.root_device, self.batch_to_device,
+            self._tie_groups, self._timeout, self._layer_sync is not None, owner=self,
         )
-        options = self._options
-        if previous_cut(module) is None:
-            refuse_user_sharding(module)
-        if self._data_parallel != "ddp":
-            refuse_unshardable(self._data_parallel, self.precision_plugin, trainer.callbacks)
-        microbatches = MicrobatchPolicy(
-            options.num_microbatches, options.schedule, self.pipeline_parallel_size, options.stages_per_rank
-        )
-        cut = self._cut_into_stages(microbatches, fitting)
-        self._parallelize(cut)
-        self._adapt_to_cut(trainer, cut)
-        self._convert_precision(cut)
-        ties = connect_ties(cut, module, pipelines(self.device_mesh), self.global_rank, self._tie_groups, self._timeout)
-        self._runtime = self._build_runtime(
-            cut, microbatches, ties, through_backward_override(module) if fitting else None
-        )
-        if self._hooks_context is None:  # the user's hooks may initialise ghosts, until teardown
+        self._runtime, own_sampling = build_pipeline(self.lightning_module, trainer, args)
+        self._own_sampling = self._own_sampling or own_sampling
+        self.model = self.lightning_module
+        if self._hooks_context is None:  # the user's hooks may initialise ghosts (`init_weights`), until teardown
             self._hooks_context = ExitStack()
             self._hooks_context.enter_context(ghost_safe_init())
-        self._setup_optimization(trainer, fitting)
-        log.debug("rank %d: setup done for %s", self.global_rank, trainer.state.fn)
-
-    def _cut_into_stages(self, microbatches: MicrobatchPolicy, fitting: bool) -> Cut:
-        """Cut the module into stages (timed first for ``balance="time"``); keep and materialise this rank's."""
-        module, options, device = self.lightning_module, self._options, self.root_device
-        measure = functools.partial(
-            measure_backbone, module, device=device, microbatches_for=microbatches.for_batch,
-            step_context=self.precision_plugin.train_step_context,
-        )
-        cut = split_module(
-            module, options.backbone, pipeline_parallel_size=self.pipeline_parallel_size,
-            stages_per_rank=options.stages_per_rank, pipeline_rank=self.pipeline_rank, schedule=options.schedule,
-            balance=options.balance, device=device, fitting=fitting,
-            sample=lambda: first_batch(module, self.batch_to_device), measure=measure,
-        )
-        return cut
-
-    def _parallelize(self, cut: Cut) -> None:
-        """Tensor parallelism, then sharding over the replicas, on this rank's stage ([Note: stage parallelism])."""
-        module, options, backbone = self.lightning_module, self._options, cut.backbone
-        blocks = [(backbone.blocks[i].name, backbone.module(i)) for i in range(len(backbone))]
-        split = choose_plan(
-            options.tensor_parallel_plan, self._configured.styles, self.tensor_parallel_size, module, blocks
-        )
-        recorded = sharding_of(self._configured, [b for _, b in blocks], options.data_parallel)
-        sharded = None
-        if recorded is not None:
-            sharded = Sharded(self.device_mesh["data_parallel"], ShardingOptions(
-                options.reshard_after_forward, recorded.mp_policy, recorded.reshard_after_forward
-            ))
-        elif self._data_parallel != "ddp":
-            mesh = self.device_mesh
-            shard_mesh = mesh[HSDP_DIMS[:2]] if self._data_parallel == "hsdp" else mesh["data_parallel"]
-            precision = getattr(self.precision_plugin, "precision", None)
-            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-                if precision == "bf16-mixed" else MixedPrecisionPolicy()
-            sharded = Sharded(shard_mesh, ShardingOptions(options.reshard_after_forward, policy))
-
-        def prepare(unit: nn.Module) -> None:
-            self.precision_plugin.convert_module(unit)
-            unit.to(self.root_device)
-
-        parallelism = parallelize_stage(
-            module, cut, self.pipeline_rank, owner=self, split=split,
-            tp_mesh=self.device_mesh["tensor_parallel"] if split is not None else None, sharded=sharded,
-            device=self.root_device, prepare=prepare,
-        )
-        self._sharding = parallelism.sharding
-
-    def _adapt_to_cut(self, trainer: pl.Trainer, cut: Cut) -> None:
-        """Callbacks learn this rank's share, summary and throughput count the whole model, samplers are chosen."""
-        module = self.lightning_module
-        tied = cut.tied_parameter_ids(module)
-        pipeline = self.device_mesh.get_group("pipeline_parallel")
-        _callbacks.after_cut(trainer.callbacks, module, tied=tied, group=pipeline, device=self.root_device)
-        trainer.callbacks = summarize_whole_model(trainer.callbacks, cut.param_counts)
-        count_replicas_in_throughput(trainer.callbacks, self.data_parallel_size)
-        self._own_sampling = self._own_sampling or data.takes_over_sampling(trainer, self.data_parallel_size)
-
-    def _convert_precision(self, cut: Cut) -> None:
-        """The module (and the ghosts of what other ranks hold) in the precision plugin's dtypes, on the device."""
-        self.model = self.precision_plugin.convert_module(self.lightning_module)
-        cut.convert_ghosts(self.pipeline_rank, self.precision_plugin.convert_module)
-        self.model_to_device()
-
-    def _build_runtime(
-        self, cut: Cut, microbatches: MicrobatchPolicy, ties: list[tuple[dist.ProcessGroup, list[nn.Parameter]]],
-        through_override: Optional[Callable[[Callable[[], Any]], Any]],
-    ) -> PipelineRuntime:
-        """This rank's pipeline; the precision plugin clips by the pipeline's norm, a tied parameter counted once."""
-        options, mesh, pipeline = self._options, self.device_mesh, self.device_mesh.get_group("pipeline_parallel")
-        runtime = PipelineRuntime(
-            self.lightning_module, cut, options.schedule, microbatches, pipeline, mesh.get_group("data_parallel"), ties,
-            self.root_device, checkpointed_blocks(options.activation_checkpointing, self._configured.checkpointed),
-            amp_scaler=getattr(self.precision_plugin, "scaler", None), timeline=options.timeline,
-            check_data_every=options.check_data_every_n_batches, sharding=self._sharding,
-            scale_group=self._scale_group,
-            tensor_group=mesh.get_group("tensor_parallel") if self.tensor_parallel_size > 1 else None,
-            through_override=through_override,
-        )
-        assert isinstance(self.precision_plugin, PipelinePrecision)
-        counted_once = {id(p) for group, params in ties for p in params if dist.get_rank(group) != 0}
-        self.precision_plugin.connect_pipeline(pipeline, counted=lambda p: id(p) not in counted_once)
-        return runtime
-
-    def _setup_optimization(self, trainer: pl.Trainer, fitting: bool) -> None:
-        """As in Lightning's ``ModelParallelStrategy``: optimizers, precision plugin, optimizer state on the device."""
-        if fitting:
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:  # as in Lightning's `ModelParallelStrategy`
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
+        log.debug("rank %d: setup done for %s", self.global_rank, trainer.state.fn)
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
@@ -553,9 +375,8 @@ class PipelineStrategy(ParallelStrategy):
     @contextmanager
     @override
     def model_sharded_context(self) -> Generator[None, None, None]:
-        """``configure_model`` builds on the meta device; each rank then materialises only its own stages. What it asks
-        ``parallelize_module`` for is recorded, and applied to each rank's own blocks after the cut ([Note:
-        tensor-parallel stages])."""
+        """``configure_model`` builds on the meta device; what it asks of ``parallelize_module``, ``fully_shard`` and
+        ``checkpoint_wrapper`` is recorded and applied to each rank's own stage ([Note: configure_model's calls])."""
         with torch.device("meta"), recording(self.lightning_module) as calls:
             yield
         self._configured = calls
@@ -606,37 +427,6 @@ class PipelineStrategy(ParallelStrategy):
         self.post_backward(closure_loss)
         return closure_loss
 
-    # ------------------------------------------------------------------ collectives
-    @override
-    def barrier(self, name: Optional[str] = None) -> None:
-        if not _distributed_is_initialized():
-            return
-        with _watchdog.waiting(lambda: f"every rank to reach the barrier {name or ''}".rstrip()):
-            if dist.get_backend() == "nccl":
-                dist.barrier(device_ids=[self.root_device.index])
-            else:
-                dist.barrier()
-
-    @override
-    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        if not _distributed_is_initialized():
-            return obj
-        box = [obj]
-        with _watchdog.waiting(lambda: f"a broadcast from rank {src} (Lightning's `strategy.broadcast`)"):
-            dist.broadcast_object_list(box, src, group=_group.WORLD)
-        return box[0]
-
-    @override
-    def reduce(
-        self,
-        tensor: Union[Tensor, Any],
-        group: Optional[Any] = None,
-        reduce_op: Optional[Union[ReduceOp, str]] = "mean",
-    ) -> Tensor:
-        if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
-
     # ------------------------------------------------------------------ checkpoints
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
@@ -670,11 +460,11 @@ class PipelineStrategy(ParallelStrategy):
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        pass  # loaded in place by `load_checkpoint`
+        """Loaded in place by :meth:`load_checkpoint`."""
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        pass  # loaded in place by `load_checkpoint`
+        """Loaded in place by :meth:`load_checkpoint`."""
 
     # ------------------------------------------------------------------ teardown
     @override

@@ -28,12 +28,15 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from lightning_pipe._ghost import Ghost
+from lightning_pipe._lightning.parallel_dims import ParallelDims
+from lightning_pipe._model.configure_model import ConfigureModelCalls, sharding_of
 from lightning_pipe._model.cut import Cut
 from lightning_pipe._model.materialize import materialize_local
 from lightning_pipe._model.shard import ShardingOptions, outside_modules, shard_stage
-from lightning_pipe._model.tensor_parallel import TensorParallelSplit
+from lightning_pipe._model.tensor_parallel import TensorParallelSplit, choose_plan
 
 
 @dataclass(frozen=True)
@@ -59,21 +62,39 @@ class Sharded:
     options: ShardingOptions
 
 
+@dataclass(frozen=True)
+class ParallelismArgs:
+    """What ``PipelineStrategy``'s arguments ask of a stage: ``tensor_parallel_plan``, ``data_parallel`` (``None``:
+    not given), ``reshard_after_forward``, and the precision plugin's ``precision`` (``"bf16-mixed"`` all-gathers
+    sharded parameters in bf16)."""
+
+    tensor_parallel_plan: Any = None
+    data_parallel: Optional[str] = None
+    reshard_after_forward: bool = False
+    precision: Optional[str] = None
+
+
+def data_parallel_mode(data_parallel: Optional[str], configured: ConfigureModelCalls) -> str:
+    """How the replicas hold each stage: ``data_parallel``, or ``"fsdp"`` when ``configure_model`` calls
+    ``fully_shard`` ([Note: configure_model's calls]); ``"ddp"`` when neither says."""
+    return "fsdp" if configured.shards else (data_parallel or "ddp")
+
+
 def parallelize_stage(
     module: nn.Module,
     cut: Cut,
-    pipeline_rank: int,
+    dims: ParallelDims,
+    args: ParallelismArgs,
+    configured: ConfigureModelCalls,
     *,
     owner: Any,
-    split: Optional[TensorParallelSplit],
-    tp_mesh: Optional[DeviceMesh],
-    sharded: Optional[Sharded],
     device: torch.device,
     prepare: Callable[[nn.Module], Any],
 ) -> StageParallelism:
-    """Materialise this rank's share of ``module`` and parallelize it ([Note: stage parallelism]); returns the record
-    of what was applied, also kept as ``cut.parallelism``. ``prepare`` converts a unit to the precision plugin's
-    dtypes on the device before it is sharded."""
+    """Materialise this rank's share of ``module`` and parallelize it as ``args`` and the calls ``configure_model``
+    made (``configured``) ask ([Note: stage parallelism]); returns the record of what was applied, also kept as
+    ``cut.parallelism``. ``prepare`` converts a unit to the precision plugin's dtypes on the device before it is
+    sharded. The same on every rank; raises ``ValueError`` naming the fix for what it cannot honour."""
     done: Optional[StageParallelism] = cut.parallelism
     if done is not None and (done.tensor_parallel or done.sharding is not None):
         if done.owner is not owner:
@@ -83,11 +104,16 @@ def parallelize_stage(
                 " a new LightningModule (or load one from a checkpoint)."
             )
         return done
-    blocks, outside = _tensor_parallel_parts(split, tp_mesh)
+    backbone = cut.backbone
+    named = [(backbone.blocks[i].name, backbone.module(i)) for i in range(len(backbone))]
+    split = choose_plan(args.tensor_parallel_plan, configured.styles, dims.tensor, module, named)
+    sharded = _sharded(args, configured, [b for _, b in named], dims)
+    blocks, outside = _tensor_parallel_parts(split, dims.tensor_mesh)
+    rank = dims.pipeline_rank
     if sharded is None:
-        materialize_local(module, cut.backbone, device)
+        materialize_local(module, backbone, device)
         with cut.parameters_replaced(module):
-            for block in local_blocks(cut, pipeline_rank):
+            for block in local_blocks(cut, rank):
                 if blocks is not None:
                     blocks(block)
             if outside is not None:
@@ -95,12 +121,26 @@ def parallelize_stage(
                     outside(part)
         sharding = None
     else:
-        sharding = shard_stage(
-            module, cut, pipeline_rank, sharded.mesh, sharded.options, device, prepare, blocks, outside
-        )
+        sharding = shard_stage(module, cut, rank, sharded.mesh, sharded.options, device, prepare, blocks, outside)
     record = StageParallelism(owner=owner, tensor_parallel=split is not None, sharding=sharding)
     cut.parallelism = record
     return record
+
+
+def _sharded(
+    args: ParallelismArgs, configured: ConfigureModelCalls, blocks: list[nn.Module], dims: ParallelDims
+) -> Optional[Sharded]:
+    """How the stage is sharded over its replicas: as ``configure_model``'s ``fully_shard`` calls ask, or as
+    ``data_parallel`` says; ``None``: replicated."""
+    recorded = sharding_of(configured, blocks, args.data_parallel)
+    if recorded is not None:
+        options = ShardingOptions(args.reshard_after_forward, recorded.mp_policy, recorded.reshard_after_forward)
+        return Sharded(dims.shard_mesh, options)
+    if data_parallel_mode(args.data_parallel, configured) == "ddp":
+        return None
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if args.precision == "bf16-mixed" else MixedPrecisionPolicy()
+    return Sharded(dims.shard_mesh, ShardingOptions(args.reshard_after_forward, policy))
 
 
 def local_blocks(cut: Cut, pipeline_rank: int) -> list[nn.Module]:

@@ -12,6 +12,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from lightning_pipe._lightning.parallel_dims import is_tensor_parallel
+
 if TYPE_CHECKING:
     from lightning_pipe._step.last_backward import ReductionOverlap
     from lightning_pipe._step.sharded import ShardedStages
@@ -146,7 +148,7 @@ class Gradients:
 
 
 def _split_over_tensor_ranks(grad: Tensor) -> bool:
-    return isinstance(grad, DTensor) and "tensor_parallel" in (grad.device_mesh.mesh_dim_names or ())
+    return isinstance(grad, DTensor) and is_tensor_parallel(grad.device_mesh)
 
 
 def _all_reduce(tensors: list[Tensor], group: dist.ProcessGroup, average: bool) -> None:

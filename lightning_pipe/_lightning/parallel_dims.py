@@ -1,0 +1,165 @@
+"""The degrees of parallelism, checked once, and the mesh they make: every mesh and group is handed out by name here.
+
+[Note: the mesh]
+The mesh's dimensions, outermost first: ``"data_parallel"`` (the pipeline replicas), ``"pipeline_parallel"`` (one
+pipeline), and ``"tensor_parallel"`` innermost when ``tensor_parallel_size > 1`` (the processes that split each block:
+consecutive ranks, one node). ``"data_parallel"`` and ``"tensor_parallel"`` are named as in Lightning's
+``ModelParallelStrategy``, so a ``configure_model`` written for it finds ``self.device_mesh["data_parallel"]`` and
+``self.device_mesh["tensor_parallel"]``. With ``data_parallel="hsdp"`` the replicas form a grid, each row one group of
+replicas that shard the stage (``"data_parallel_shard"``, consecutive ranks), the rows replicating it
+(``"data_parallel_replicate"``); ``"data_parallel"`` is both, flattened. A global rank is
+``((replica * P) + pipeline rank) * T + tensor rank``. (Before 0.2 the dimensions were ``("dp", "pp")``.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from lightning_pipe._compat.torch import mesh_group_options
+from lightning_pipe.partition import resolve_sizes
+
+DATA = "data_parallel"
+PIPELINE = "pipeline_parallel"
+TENSOR = "tensor_parallel"
+DATA_REPLICATE = "data_parallel_replicate"
+DATA_SHARD = "data_parallel_shard"
+
+
+@dataclass
+class ParallelDims:
+    """The sizes of each dimension ([Note: the mesh]), resolved against the processes and checked by :meth:`resolve`;
+    :meth:`build` makes the mesh, after which the groups and sub-meshes are read here.
+
+    Attributes:
+        pipeline: processes per pipeline.
+        data: pipeline replicas.
+        tensor: processes that split each block (1: none).
+        shard: with HSDP, the replicas in one sharding group; else ``None``.
+        world_size: every process.
+    """
+
+    pipeline: int
+    data: int
+    tensor: int
+    shard: Optional[int]
+    world_size: int
+    mesh: Optional[DeviceMesh] = field(default=None, repr=False)
+    loss_weight_group: Optional[dist.ProcessGroup] = field(default=None, repr=False)
+
+    @classmethod
+    def resolve(
+        cls, pipeline: Any, data: Any, tensor: int, world_size: int, hybrid_shard: Any = None,
+        processes_per_node: int = 1,
+    ) -> ParallelDims:
+        """The sizes, ``"auto"`` resolved: ``hybrid_shard`` is ``data_parallel_shard_size`` with HSDP (``None``
+        without). Raises ``ValueError`` with the arithmetic and the fix."""
+        if world_size % tensor:
+            raise ValueError(
+                f"`PipelineStrategy(tensor_parallel_size={tensor})` does not divide the {world_size} processes the"
+                " Trainer runs (devices * num_nodes). Make pipeline_parallel_size * data_parallel_size *"
+                " tensor_parallel_size equal the number of processes."
+            )
+        pp, dp = resolve_sizes(pipeline, data, world_size // tensor)
+        shard = None if hybrid_shard is None else hsdp_shard_size(hybrid_shard, dp, processes_per_node)
+        return cls(pp, dp, tensor, shard, world_size)
+
+    @classmethod
+    def of(cls, options: Any, world_size: int, processes_per_node: int) -> ParallelDims:
+        """:meth:`resolve` for ``PipelineStrategy``'s validated options."""
+        hybrid = options.data_parallel_shard_size if options.data_parallel == "hsdp" else None
+        return cls.resolve(
+            options.pipeline_parallel_size, options.data_parallel_size, options.tensor_parallel_size, world_size,
+            hybrid, processes_per_node,
+        )
+
+    # ------------------------------------------------------------------------------------------------ the mesh
+    def names_and_sizes(self) -> tuple[tuple[str, ...], tuple[int, ...]]:
+        """The mesh's dimension names and sizes, outermost first."""
+        tail = ((TENSOR,), (self.tensor,)) if self.tensor > 1 else ((), ())
+        if self.shard is None:
+            return (DATA, PIPELINE) + tail[0], (self.data, self.pipeline) + tail[1]
+        rows = self.data // self.shard
+        return (DATA_REPLICATE, DATA_SHARD, PIPELINE) + tail[0], (rows, self.shard, self.pipeline) + tail[1]
+
+    def build(self, device_type: str, backend: Optional[str], timeout: Optional[timedelta]) -> DeviceMesh:
+        """The mesh over every process, each sub-group with ``timeout``; with replicas and a pipeline, also the group
+        that carries each step's loss weight ([Note: overlapped reductions])."""
+        names, sizes = self.names_and_sizes()
+        options = mesh_group_options(dict(zip(names, sizes)), self.world_size, backend, timeout)
+        mesh = init_device_mesh(device_type, sizes, mesh_dim_names=names, backend_override=options)
+        if self.shard is not None:
+            flat = mesh_group_options({DATA: self.data}, self.world_size, backend, timeout).get(DATA)
+            mesh[(DATA_REPLICATE, DATA_SHARD)]._flatten(DATA, backend_override=flat)
+        self.mesh = mesh
+        if self.pipeline > 1 and self.data > 1:
+            rows = [row.tolist() for row in self.pipelines()]
+            self.loss_weight_group, _ = dist.new_subgroups_by_enumeration(rows, timeout=timeout)
+        return mesh
+
+    def _built(self) -> DeviceMesh:
+        if self.mesh is None:
+            raise RuntimeError("`ParallelDims.build` makes the mesh when the processes start; read it after that.")
+        return self.mesh
+
+    def pipelines(self) -> torch.Tensor:
+        """The global ranks as a ``[pipeline][pipeline rank]`` table: one row per replica (and tensor rank)."""
+        mesh = self._built()
+        table = mesh.mesh.movedim(list(mesh.mesh_dim_names or ()).index(PIPELINE), -1)
+        return table.reshape(-1, table.shape[-1])
+
+    @property
+    def pipeline_group(self) -> dist.ProcessGroup:
+        return self._built().get_group(PIPELINE)
+
+    @property
+    def data_group(self) -> dist.ProcessGroup:
+        """This rank's replicas (every pipeline's same stage and tensor rank)."""
+        return self._built().get_group(DATA)
+
+    @property
+    def tensor_group(self) -> Optional[dist.ProcessGroup]:
+        return self._built().get_group(TENSOR) if self.tensor > 1 else None
+
+    @property
+    def tensor_mesh(self) -> Optional[DeviceMesh]:
+        return self._built()[TENSOR] if self.tensor > 1 else None
+
+    @property
+    def shard_mesh(self) -> DeviceMesh:
+        """What a sharded stage is sharded over: the replicas (FSDP), or their 2-D grid (HSDP)."""
+        mesh = self._built()
+        return mesh[(DATA_REPLICATE, DATA_SHARD)] if self.shard is not None else mesh[DATA]
+
+    @property
+    def pipeline_rank(self) -> int:
+        return self._built()[PIPELINE].get_local_rank()
+
+    @property
+    def data_rank(self) -> int:
+        return self._built()[DATA].get_local_rank()
+
+
+def is_tensor_parallel(mesh: Optional[DeviceMesh]) -> bool:
+    """Whether ``mesh`` (a DTensor's) spans tensor ranks."""
+    return mesh is not None and TENSOR in (mesh.mesh_dim_names or ())
+
+
+def hsdp_shard_size(shard_size: Any, dp: int, processes_per_node: int) -> int:
+    """The replicas per sharding group: as given, or (``"auto"``) the processes of one node, which must divide the
+    replicas."""
+    shard = min(processes_per_node, dp) if shard_size == "auto" else shard_size
+    if dp % shard:
+        fits = max(d for d in range(1, dp + 1) if dp % d == 0 and d <= shard)
+        given = "'auto' (the processes per node)" if shard_size == "auto" else str(shard_size)
+        raise ValueError(
+            f"`PipelineStrategy(data_parallel='hsdp', data_parallel_shard_size={given})` shards each stage over groups"
+            f" of {shard} replicas, which does not divide the {dp} replicas (data_parallel_size). Pick a"
+            f" `data_parallel_shard_size` that divides {dp}, e.g. {fits}."
+        )
+    return shard

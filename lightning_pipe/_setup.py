@@ -1,0 +1,148 @@
+"""Building one rank's pipeline for a ``Trainer`` call: the sequence ``PipelineStrategy.setup`` runs, in one place.
+
+Every rank runs these steps in this order, since several of them talk to the other ranks:
+
+1. refuse what the pipeline cannot run, with a message that names the fix;
+2. cut the module into stages (``_model/split.py``; timed first for ``balance="time"``);
+3. materialise this rank's share, split it over the tensor ranks and shard it over the replicas
+   (``_model/parallelize.py``, [Note: stage parallelism]);
+4. tell the callbacks, the model summary and the data loaders about the cut;
+5. convert the module and its ghosts to the precision plugin's dtypes, on the device;
+6. connect the copies of each tied parameter over the ranks that hold them (``_model/cut.py``: ``connect_ties``);
+7. build the runtime, and let the precision plugin clip by the norm over the whole pipeline.
+
+The optimizers come after, from the strategy (Lightning's ``setup_optimizers``).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable, Optional
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import nn
+
+from lightning_pipe._compat.lightning import count_replicas_in_throughput
+from lightning_pipe._lightning import callbacks as _callbacks
+from lightning_pipe._lightning import data
+from lightning_pipe._lightning.backward import through_backward_override
+from lightning_pipe._lightning.options import PipelineOptions
+from lightning_pipe._lightning.parallel_dims import ParallelDims
+from lightning_pipe._lightning.precision import PipelinePrecision
+from lightning_pipe._lightning.summary import summarize_whole_model
+from lightning_pipe._model.activation_checkpointing import checkpointed_blocks
+from lightning_pipe._model.configure_model import ConfigureModelCalls
+from lightning_pipe._model.cut import Cut, connect_ties
+from lightning_pipe._model.parallelize import ParallelismArgs, data_parallel_mode, parallelize_stage
+from lightning_pipe._model.profile import first_batch, measure_backbone
+from lightning_pipe._model.shard import refuse_unshardable, refuse_user_sharding
+from lightning_pipe._model.split import previous_cut, refuse_unsupported, split_module
+from lightning_pipe._step.microbatches import MicrobatchPolicy
+from lightning_pipe._step.runtime import PipelineRuntime
+
+
+@dataclass(frozen=True)
+class SetupArgs:
+    """What the strategy gives the setup: its options, mesh and plugins.
+
+    Attributes:
+        options: the strategy's validated arguments.
+        dims: the mesh and its groups.
+        configured: what ``configure_model`` asked for ([Note: configure_model's calls]).
+        precision_plugin: the strategy's copy of the precision plugin.
+        device: this rank's device.
+        batch_to_device: the strategy's ``batch_to_device`` (the first batch, for the analysis).
+        tie_groups: the process groups of tied parameters, by global ranks, kept across ``Trainer`` calls.
+        timeout: of every process group.
+        sync_batchnorm: whether ``Trainer(sync_batchnorm=True)`` asked for synchronised BatchNorm (refused).
+        owner: the strategy (a later call of another strategy cannot reuse what it parallelized).
+    """
+
+    options: PipelineOptions
+    dims: ParallelDims
+    configured: ConfigureModelCalls
+    precision_plugin: PipelinePrecision
+    device: torch.device
+    batch_to_device: Callable[[Any], Any]
+    tie_groups: dict[tuple[int, ...], dist.ProcessGroup]
+    timeout: Optional[timedelta]
+    sync_batchnorm: bool
+    owner: Any
+
+
+def build_pipeline(module: pl.LightningModule, trainer: pl.Trainer, args: SetupArgs) -> tuple[PipelineRuntime, bool]:
+    """Steps 1 to 7 of the module docstring; returns this rank's runtime, and whether the strategy picks the data
+    loaders' samplers itself (one replica: :func:`lightning_pipe._lightning.data.takes_over_sampling`)."""
+    fitting = trainer.state.fn == TrainerFn.FITTING
+    options, dims = args.options, args.dims
+    refuse_unsupported(
+        module, fitting=fitting, sync_batchnorm=args.sync_batchnorm, pipeline_parallel_size=dims.pipeline
+    )
+    if previous_cut(module) is None:
+        refuse_user_sharding(module)
+    mode = data_parallel_mode(options.data_parallel, args.configured)
+    if mode != "ddp":
+        refuse_unshardable(mode, args.precision_plugin, trainer.callbacks)
+    microbatches = MicrobatchPolicy(options.num_microbatches, options.schedule, dims.pipeline, options.stages_per_rank)
+    cut = _cut_into_stages(module, args, microbatches, fitting)
+    sharding = _parallelize(module, cut, args).sharding
+    own_sampling = _adapt_to_cut(module, trainer, cut, args)
+    args.precision_plugin.convert_module(module)
+    cut.convert_ghosts(dims.pipeline_rank, args.precision_plugin.convert_module)
+    module.to(args.device)
+    ties = connect_ties(cut, module, dims.pipelines(), dist.get_rank(), args.tie_groups, args.timeout)
+    runtime = PipelineRuntime(
+        module, cut, options.schedule, microbatches, dims.pipeline_group, dims.data_group, ties, args.device,
+        checkpointed_blocks(options.activation_checkpointing, args.configured.checkpointed),
+        amp_scaler=getattr(args.precision_plugin, "scaler", None), timeline=options.timeline,
+        check_data_every=options.check_data_every_n_batches, sharding=sharding,
+        scale_group=dims.loss_weight_group, tensor_group=dims.tensor_group,
+        through_override=through_backward_override(module) if fitting else None,
+    )
+    counted_once = {id(p) for group, params in ties for p in params if dist.get_rank(group) != 0}
+    args.precision_plugin.connect_pipeline(dims.pipeline_group, counted=lambda p: id(p) not in counted_once)
+    return runtime, own_sampling
+
+
+def _cut_into_stages(module: pl.LightningModule, args: SetupArgs, microbatches: MicrobatchPolicy, fitting: bool) -> Cut:
+    options, device = args.options, args.device
+    measure = functools.partial(
+        measure_backbone, module, device=device, microbatches_for=microbatches.for_batch,
+        step_context=args.precision_plugin.train_step_context,
+    )
+    return split_module(
+        module, options.backbone, pipeline_parallel_size=args.dims.pipeline, stages_per_rank=options.stages_per_rank,
+        pipeline_rank=args.dims.pipeline_rank, schedule=options.schedule, balance=options.balance, device=device,
+        fitting=fitting, sample=lambda: first_batch(module, args.batch_to_device), measure=measure,
+    )
+
+
+def _parallelize(module: pl.LightningModule, cut: Cut, args: SetupArgs) -> Any:
+    options, plugin = args.options, args.precision_plugin
+    wanted = ParallelismArgs(
+        options.tensor_parallel_plan, options.data_parallel, options.reshard_after_forward,
+        getattr(plugin, "precision", None),
+    )
+
+    def prepare(unit: nn.Module) -> None:
+        plugin.convert_module(unit)
+        unit.to(args.device)
+
+    return parallelize_stage(
+        module, cut, args.dims, wanted, args.configured, owner=args.owner, device=args.device, prepare=prepare
+    )
+
+
+def _adapt_to_cut(module: pl.LightningModule, trainer: pl.Trainer, cut: Cut, args: SetupArgs) -> bool:
+    """Callbacks learn this rank's share, summary and throughput count the whole model, samplers are chosen."""
+    dims = args.dims
+    tied = cut.tied_parameter_ids(module)
+    _callbacks.after_cut(trainer.callbacks, module, tied=tied, group=dims.pipeline_group, device=args.device)
+    trainer.callbacks = summarize_whole_model(trainer.callbacks, cut.param_counts)
+    count_replicas_in_throughput(trainer.callbacks, dims.data)
+    return data.takes_over_sampling(trainer, dims.data)
