@@ -79,7 +79,7 @@ SIGNATURES = {
     ("torch.distributed.pipelining", "PipelineStage.backward_maybe_with_nosync"): (
         "self", "backward_type", "bwd_kwargs", "last_backward",
     ),
-    # _lightning/processes.py: pipeline_mesh passes `backend_override` by keyword
+    # _lightning/parallel_dims.py: ParallelDims.build passes `backend_override` by keyword
     ("torch.distributed.device_mesh", "DeviceMesh._flatten"): ("self", "mesh_dim_name", "backend_override"),
     # _compat/torch.py: parallel_styles_recorded swaps it for `recorded(self, module, device_mesh)`
     ("torch.distributed.tensor.parallel.style", "ParallelStyle._apply"): ("self", "module", "device_mesh"),
@@ -111,3 +111,26 @@ def test_the_lookup_finds_what_it_should_and_only_that():
     assert not _find("torchmetrics", "Metric._no_such_state")
     assert not _find("torch.nn", "Module._parameters.missing")
     assert not _find("lightning.pytorch.no_such_module", "Anything")
+
+
+def test_configure_model_calls_are_recorded_not_run():
+    """``fully_shard``'s inner function sits in a closure cell and ``checkpoint_wrapper`` keeps the wrapped block in
+    ``_checkpoint_wrapped_module``: both recorded and undone while a ``configure_model`` runs (torch 2.13 to 2.15)."""
+    from torch import nn
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    from lightning_pipe._model.configure_model import recording
+
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    inner = model[1]
+    with recording(model) as calls:
+        model[1] = checkpoint_wrapper(model[1])
+        fully_shard(model[1], reshard_after_forward=False)
+        fully_shard(model)
+    assert model[1] is inner and not isinstance(model, FSDPModule) and calls.checkpointed == [inner]
+    assert [(target, kwargs) for target, kwargs in calls.shards] == [(inner, {"reshard_after_forward": False}),
+                                                                     (model, {})]
+    assert [n for n, _ in model.named_parameters()] == ["0.weight", "0.bias", "1.weight", "1.bias"]
+    with recording(model):  # nothing registered twice: the module takes fully_shard again
+        fully_shard(model)

@@ -88,14 +88,26 @@ torch (checked against 2.13.0, 2.14.1 and 2.15.0; ``pyproject.toml`` pins ``<2.1
   it); no public hook says so. Checked against 2.13.0, with the signature (``tests/test_compat.py``).
 - ``DeviceMesh._flatten(mesh_dim_name, backend_override=...)``: the HSDP mesh's ``"data_parallel"`` dimension, its
   ``"data_parallel_replicate"`` and ``"data_parallel_shard"`` dimensions flattened into one
-  (``_lightning/processes.py``: ``pipeline_mesh``), so that ``mesh["data_parallel"]`` is the replicas of a pipeline
-  rank in every mode, as torchtitan's ``ParallelDims`` flattens its meshes; ``init_device_mesh`` has no public way to
-  add a flattened dimension. Checked against 2.13.0, with the signature.
+  (``_lightning/parallel_dims.py``: ``ParallelDims.build``), so that ``mesh["data_parallel"]`` is the replicas of a
+  pipeline rank in every mode, as torchtitan's ``ParallelDims`` flattens its meshes; ``init_device_mesh`` has no public
+  way to add a flattened dimension. Checked against 2.13.0, with the signature.
 - ``ParallelStyle._apply(module, device_mesh)``: the method through which ``parallelize_module`` applies every
   style, and nothing public records a plan without applying it. It is swapped on torch's style classes while the
   user's ``configure_model`` runs before the cut (:func:`.torch.parallel_styles_recorded`), and the recorded styles
   are applied through it to each rank's own modules after the cut (``_model/tensor_parallel.py``). Checked against
   2.13.0, with the signature.
+- ``fully_shard``'s closure cell holding the function ``contract`` wraps, and ``contract``'s ``STATE_KEY`` and
+  ``REGISTRY_KEY`` (``torch.distributed._composable.contract``): a ``configure_model`` calls ``fully_shard``
+  imported by name, so while it runs the cell holds a recorder and the empty state ``contract`` registers is taken
+  off the module again (:func:`.torch.fully_shard_recorded`, [Note: configure_model's calls]). No public API records
+  what ``fully_shard`` was asked without sharding. Checked against 2.13.0.
+- ``torch.distributed.algorithms._checkpoint.checkpoint_wrapper``: ``CheckpointWrapper``, ``ActivationWrapper`` and
+  ``_checkpoint_wrapped_module``, the module ``checkpoint_wrapper`` lives in (the only place torch offers it) and
+  the attribute that holds the wrapped block: each wrapper a ``configure_model`` made is put back by its block, which
+  then recomputes its activations (:func:`.torch.checkpoint_wrappers`). Checked against 2.13.0.
+- ``torch.nn.init.trunc_normal_`` (public, but patched): swapped from a strategy's ``setup`` to its ``teardown`` for a
+  wrapper that leaves ghosts alone (:func:`.torch.ghost_safe_init`); torch 2.13 redraws by rejection, reading
+  ``mask.any()``, and the function has no ``__torch_function__`` override point.
 
 - FSDP2 (checked against 2.13): ``fully_shard.state(module)`` and the state's ``_fsdp_param_group(s)``,
   ``_lazy_init`` and ``_root_post_backward_final_callback``; ``FSDPParamGroup.fsdp_params`` and ``post_backward``;
@@ -185,8 +197,13 @@ PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     ("torch.distributed.pipelining.schedules", "_PipelineSchedule._loss_fn"),
     # torch: stages and meshes, tensor parallelism (see the entries above; tests/test_compat.py checks the signatures)
     ("torch.distributed.pipelining", "PipelineStage.backward_maybe_with_nosync"),  # _step/pipeline.py: ReducingStage
-    ("torch.distributed.device_mesh", "DeviceMesh._flatten"),  # _lightning/processes.py: pipeline_mesh
+    ("torch.distributed.device_mesh", "DeviceMesh._flatten"),  # _lightning/parallel_dims.py: ParallelDims.build
     ("torch.distributed.tensor.parallel.style", "ParallelStyle._apply"),  # _compat/torch.py, _model/tensor_parallel.py
+    # torch: what configure_model asks of fully_shard and checkpoint_wrapper (_compat/torch.py)
+    ("torch.distributed._composable.contract", "STATE_KEY"),
+    ("torch.distributed._composable.contract", "REGISTRY_KEY"),
+    ("torch.distributed.algorithms._checkpoint.checkpoint_wrapper", "CheckpointWrapper"),
+    ("torch.distributed.algorithms._checkpoint.checkpoint_wrapper", "ActivationWrapper"),
     # torch: FSDP2 (_compat/torch.py; see "FSDP2" above)
     ("torch.distributed.fsdp._fully_shard._fsdp_state", "FSDPState._fsdp_param_group"),
     ("torch.distributed.fsdp._fully_shard._fsdp_state", "FSDPState._fsdp_param_groups"),

@@ -3,15 +3,26 @@ mesh dimension with torch's ``parallelize_module`` (``PipelineStrategy(tensor_pa
 tensor_parallel_plan=...)``).
 
 [Note: tensor-parallel stages]
-The plan is applied after the cut, to this rank's blocks only: blocks another stage owns cost this rank nothing. A
-plan is a ``parallelize_module`` plan relative to one block (``{"attn.q_proj": "colwise", "mlp.*_proj": ...}``,
-wildcards as ``parallelize_module`` takes them; ``"colwise"``/``"rowwise"`` or ``ParallelStyle`` objects), a callable
-``(block, tp_mesh) -> None``, or ``"auto"``: a Hugging Face model's own ``config.base_model_tp_plan``, its
-``layers.*.`` prefix taken off. Modules outside the backbone (embedding, head) stay replicated over the tensor ranks.
+Tensor parallelism is applied after the cut, to this rank's own modules only: modules another stage owns cost this
+rank nothing. It comes from one of two routes:
 
-A block's output is a plain tensor, the same on every tensor rank (a row-wise layer ends with an all-reduce), so the
-stages hand each other plain activations: pipeline rank ``k`` of tensor rank ``t`` talks to pipeline rank ``k + 1``
-of the same tensor rank. Sequence-parallel plans (an activation sharded along the sequence) are refused.
+- ``tensor_parallel_plan=``: a ``parallelize_module`` plan relative to one block (``{"attn.q_proj": "colwise",
+  "mlp.*_proj": ...}``, wildcards as ``parallelize_module`` takes them; ``"colwise"``/``"rowwise"`` or
+  ``ParallelStyle`` objects), a callable ``(block, tp_mesh) -> None``, or ``"auto"``: a Hugging Face model's own
+  ``config.base_model_tp_plan``, its ``layers.*.`` prefix taken off. It splits the blocks only, so it must leave a
+  block's input and output whole: sequence-parallel styles are refused, and the modules outside the backbone stay
+  replicated.
+- what a ``configure_model`` written for Lightning's ``ModelParallelStrategy`` asks ``parallelize_module`` for,
+  recorded while it runs ([Note: configure_model's calls]): each style applies to the block or the module outside
+  the backbone (embedding, final norm, head) that it names, on the rank that holds it. Sequence parallelism works:
+  a block then takes and returns this tensor rank's shard of the sequence as a plain tensor (``PrepareModuleInput``
+  and ``RowwiseParallel(output_layouts=Shard(1))`` with local outputs), and that shard is what the stage sends.
+
+Either way the stages hand each other plain tensors: pipeline rank ``k`` of tensor rank ``t`` talks to pipeline rank
+``k + 1`` of the same tensor rank, so a sequence-parallel boundary moves ``1 / tensor_parallel_size`` of the
+activation per rank. A loss computed on vocabulary-sharded logits under ``loss_parallel()`` is a replicated DTensor;
+the runtime weighs and back-propagates it as the plain tensor every tensor rank holds (``_step/loss_weights.py``:
+``whole``), through the user's ``backward`` override ([Note: backward overrides]).
 """
 
 from __future__ import annotations
