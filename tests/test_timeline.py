@@ -406,6 +406,8 @@ def test_traced_step_records_every_microbatch(
             assert f"recv act mb{mb} s1 from rank 0" in ops and f"send act mb{mb} s0 to rank 1" in ops
             assert f"recv grad mb{mb} s0 from rank 1" in ops and f"send grad mb{mb} s1 to rank 0" in ops
         assert any(e["name"] == "recv wait" for e in comm)
+    # The bytes of each transfer posted: every rank sent its activations or gradients
+    assert all(v > 0 for v in result["summary"]["sent_bytes"].values()), result["summary"]["sent_bytes"]
     summary = result["summary"]
     assert 0.0 <= summary["bubble_fraction"] < 1.0
     assert set(summary["stage_busy_s"]) == {str(s) for s in range(num_stages)}

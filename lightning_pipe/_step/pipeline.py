@@ -151,6 +151,9 @@ class StagePipeline:
         self._metas: OrderedDict[tuple, dict[int, tuple[Meta, Meta]]] = OrderedDict()  # see _stage_metas
         self._loss_fn: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None
         self.overlap: Optional[ReductionOverlap] = None  # reductions in the last backward (set by the runtime)
+        #: ``{stage: bytes}`` each local stage but the last sends per microbatch for the latest shape: this rank's own
+        #: message, ``1 / tensor_parallel_size`` of the activation with sequence parallelism
+        self.boundary_bytes: dict[int, int] = {}
         self.through_override: Optional[Callable[[Callable[[], Any]], Any]] = None  # set by the runtime
 
     @property
@@ -333,6 +336,7 @@ class StagePipeline:
         metas = self._metas.get(shape)
         if metas is not None:
             self._metas.move_to_end(shape)
+            self._note_boundary_bytes(metas)
             return metas
         guesses = self._guess_inputs(shape)
         metas = self._probe_at_once(rows, guesses) if guesses is not None else None
@@ -341,7 +345,13 @@ class StagePipeline:
         self._metas[shape] = metas
         if len(self._metas) > MAX_SHAPES_REMEMBERED:
             self._metas.popitem(last=False)
+        self._note_boundary_bytes(metas)
         return metas
+
+    def _note_boundary_bytes(self, metas: dict[int, tuple[Meta, Meta]]) -> None:
+        last = self.layout.num_stages - 1
+        self.boundary_bytes = {s: _nbytes(out) for s, (_, out) in metas.items() if s < last and out is not None}
+        log.debug("pipeline rank %d sends per microbatch (bytes by stage): %s", self.pipeline_rank, self.boundary_bytes)
 
     def _guess_inputs(self, shape: tuple) -> Optional[dict[int, Meta]]:
         """The input shapes of the local stages for ``shape``, guessed from the last shape remembered whose sizes
@@ -427,3 +437,11 @@ def _construct(cls: type, stages: list, n: int, loss_fn: Optional[Callable], mul
 def _meta_tensor(meta: Meta, requires_grad: bool) -> torch.Tensor:
     shape, dtype = meta
     return torch.empty(shape, dtype=dtype, device="meta").requires_grad_(requires_grad and dtype.is_floating_point)
+
+
+def _nbytes(meta: Meta) -> int:
+    shape, dtype = meta
+    numel = 1
+    for size in shape:
+        numel *= size
+    return numel * dtype.itemsize

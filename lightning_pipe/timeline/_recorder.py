@@ -265,6 +265,9 @@ class TimelineRecorder:
             for op in ops:
                 peer = getattr(op, "peer", None)
                 label = {"dir": direction, "what": payload, "stage": stage, "mb": int(mb), "peer": peer}
+                tensor = getattr(op, "tensor", None)
+                if tensor is not None:  # each rank's own message: a sequence shard with sequence parallelism
+                    label["bytes"] = tensor.numel() * tensor.element_size()
                 self._op_labels[id(op)] = (op, label)  # the op is kept alive, so its id is not reused
             return ops
 
@@ -341,7 +344,12 @@ class TimelineRecorder:
         pairs = {(label["stage"], label["mb"]) for label in primary}
         stage = stages.pop() if len(stages) == 1 else None
         mb = next(iter(pairs))[1] if len(pairs) == 1 else None
-        self._add("comm", f"{kind} {phase}", stage, mb, t0, t1, ops=[_describe(label) for label in labels])
+        sizes: dict[str, int] = {}
+        for label in labels:  # the bytes of each message, this rank's own (a sequence shard with sequence parallelism)
+            if "bytes" in label:
+                sizes[f"{label['dir']}_bytes"] = sizes.get(f"{label['dir']}_bytes", 0) + label["bytes"]
+        ops = [_describe(label) for label in labels]
+        self._add("comm", f"{kind} {phase}", stage, mb, t0, t1, ops=ops, **(sizes if phase == "post" else {}))
 
 
 def _describe(label: dict[str, Any]) -> str:

@@ -70,6 +70,8 @@ def summarize(all_events: Iterable[Event], num_ranks: int) -> dict[str, Any]:
     ``busy_s[rank]``: time that rank spent computing (forwards, losses, backwards; overlaps counted once).
     ``stage_busy_s[stage]``: compute time per stage. ``comm_s[rank]``: time in posting and waiting for transfers.
     ``collective_s[rank]``: time in gradient reductions over the replicas and ties (not in ``span_s``).
+    ``sent_bytes[rank]``: the bytes that rank sent to other stages (activations and gradients; with sequence
+    parallelism each tensor rank sends its own sequence shard, ``1 / tensor_parallel_size`` of the activation).
     ``bubble_fraction = 1 - sum(busy_s) / (num_ranks * span_s)``: the share of the pipeline's rank-time not spent
     computing (waiting, transferring, and schedule overhead), to compare with ``ideal_bubble_fraction``.
     ``step_s``: the longest whole traced step on any rank (from its origin to the end of ``schedule.step``,
@@ -103,6 +105,10 @@ def summarize(all_events: Iterable[Event], num_ranks: int) -> dict[str, Any]:
             duration = (e["end"] - e["start"]) / 1e6
             stage_busy[int(e["stage"])] = stage_busy.get(int(e["stage"]), 0.0) + duration
             by_kind[e["cat"]] += duration
+    sent = {r: 0 for r in range(num_ranks)}
+    for e in timed:
+        if e["cat"] == "comm":
+            sent[int(e["rank"])] += int(e.get("args", {}).get("send_bytes", 0))
     steps = [e["end"] - e["start"] for e in events if e["cat"] == "step"]
     total_busy = sum(busy.values())
     return {
@@ -114,6 +120,7 @@ def summarize(all_events: Iterable[Event], num_ranks: int) -> dict[str, Any]:
         "stage_busy_s": dict(sorted(stage_busy.items())),
         "comm_s": comm,
         "collective_s": collective,
+        "sent_bytes": sent,
         "compute_s_by_kind": by_kind,
         "num_events": len(timed),
         "num_stages": len({e["stage"] for e in timed if e["cat"] == "forward"}),
