@@ -212,6 +212,20 @@ def test_tensor_parallelism_fits_blocks_too_large_for_a_stage():
     assert plan.ideal_step_time == pytest.approx(4 * 32 / 8)
 
 
+def test_sequence_parallelism_divides_the_activations_a_tensor_rank_keeps():
+    costs, weights, acts = [1.0] * 4, [1e6] * 4, [1e6] * 4
+    kwargs = dict(param_bytes=weights, activation_bytes=acts, devices_per_node=8)
+    whole = {(q.pipeline_parallel_size, q.tensor_parallel_size, q.schedule, q.num_microbatches): q
+             for q in search_plans(costs, 32, 8, **kwargs)}
+    sharded = {(q.pipeline_parallel_size, q.tensor_parallel_size, q.schedule, q.num_microbatches): q
+               for q in search_plans(costs, 32, 8, sequence_parallel=True, **kwargs)}
+    for key, plan in whole.items():
+        t = key[1]
+        assert sharded[key].activation_memory == pytest.approx(plan.activation_memory / t)
+        assert sharded[key].state_memory == pytest.approx(plan.state_memory)
+        assert sharded[key].predicted_step_time == pytest.approx(plan.predicted_step_time)
+
+
 def test_tensor_parallel_overhead_is_a_parameter():
     plans = search_plans([1.0] * 8, 64, 8, devices_per_node=8, microbatch_overhead=0.0, tensor_parallel_overhead=0.5)
     by_key = {(q.pipeline_parallel_size, q.tensor_parallel_size, q.schedule, q.num_microbatches): q for q in plans}

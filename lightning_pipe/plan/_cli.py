@@ -117,6 +117,11 @@ def _build_arg_parser() -> argparse.ArgumentParser:
         default=0.1,
         help="tensor-parallel communication, as a fraction of a module's cost times (T-1)/T.",
     )
+    parser.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="the tensor-parallel plan shards activations along the sequence: each tensor rank keeps 1/T of them.",
+    )
     parser.add_argument("--model-class", help="class path of the model when the config's `model` has no class_path.")
     parser.add_argument(
         "--top",
@@ -321,6 +326,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             max_tensor_parallel=args.max_tensor_parallel,
             tensor_divisor=args.tensor_divisor,
             tensor_parallel_overhead=args.tensor_parallel_overhead,
+            sequence_parallel=args.sequence_parallel,
         )
     except (ValueError, AttributeError, TypeError) as error:
         print(f"error: {error}", file=sys.stderr)

@@ -44,6 +44,7 @@ def search_plans(
     max_tensor_parallel: int = 8,
     tensor_divisor: Optional[int] = None,
     tensor_parallel_overhead: float = 0.1,
+    sequence_parallel: bool = False,
 ) -> list[Plan]:
     """Every plan that fits, best (lowest predicted step time) first.
 
@@ -73,6 +74,10 @@ def search_plans(
             rank takes ``1/T`` of the heads and of every split matrix dimension); ``None``: no constraint.
         tensor_parallel_overhead: the communication of tensor parallelism (the all-reduces of the row-wise layers
             in forward and backward), as a fraction of a module's cost, times ``(T - 1) / T``.
+        sequence_parallel: the tensor-parallel plan shards activations along the sequence between the split
+            layers (``SequenceParallel`` norms, ``RowwiseParallel(output_layouts=Shard(1))``), so each tensor rank
+            keeps about ``1/T`` of a block's activations and sends ``1/T`` of the activation to the next stage.
+            ``False`` (default): activations are whole on every tensor rank.
 
     Raises:
         ValueError: if no plan is valid for the batch and devices, or none fits ``memory_budget`` (the message
@@ -92,6 +97,7 @@ def search_plans(
         microbatch_overhead=microbatch_overhead,
         tensor_sizes=tensor_parallel_sizes(devices, devices_per_node, max_tensor_parallel, tensor_divisor),
         tensor_parallel_overhead=tensor_parallel_overhead,
+        sequence_parallel=sequence_parallel,
     )
     fitting = [p for p in plans if p.fits]
     if not fitting:
@@ -150,6 +156,7 @@ def _all_plans(
     microbatch_overhead: float,
     tensor_sizes: Sequence[int],
     tensor_parallel_overhead: float,
+    sequence_parallel: bool = False,
 ) -> list[Plan]:
     n = len(costs)
     if n == 0:
@@ -217,7 +224,8 @@ def _all_plans(
             bounds = _bounds(sizes)
             stage_cost = [sum(costs[a:z]) * scale for a, z in bounds]
             stage_weights = [sum(weights[a:z]) / t for a, z in bounds]
-            stage_acts = [sum(acts[a:z]) for a, z in bounds]  # whole on every tensor rank: not divided
+            # whole on every tensor rank, unless sharded along the sequence
+            stage_acts = [sum(acts[a:z]) / (t if sequence_parallel else 1) for a, z in bounds]
             c_max = max(stage_cost)
             for m in divisors(b):
                 if not valid_num_microbatches(m, p, v, schedule):
