@@ -31,11 +31,11 @@ from lightning_pipe._model.tensor_parallel import recorded_plan
 @pytest.mark.parametrize(
     "pp, dp, tp, world, hybrid, per_node, names, sizes",
     [
-        ("auto", "auto", 1, 4, None, 1, (DATA, PIPELINE), (1, 4)),
-        (2, "auto", 1, 4, None, 1, (DATA, PIPELINE), (2, 2)),
+        ("auto", "auto", 1, 4, None, 1, (DATA, PIPELINE, TENSOR), (1, 4, 1)),
+        (2, "auto", 1, 4, None, 1, (DATA, PIPELINE, TENSOR), (2, 2, 1)),
         (2, "auto", 2, 8, None, 1, (DATA, PIPELINE, TENSOR), (2, 2, 2)),
         ("auto", 2, 2, 8, None, 1, (DATA, PIPELINE, TENSOR), (2, 2, 2)),
-        (1, 4, 1, 4, "auto", 2, (DATA_REPLICATE, DATA_SHARD, PIPELINE), (2, 2, 1)),
+        (1, 4, 1, 4, "auto", 2, (DATA_REPLICATE, DATA_SHARD, PIPELINE, TENSOR), (2, 2, 1, 1)),
         (2, 4, 2, 16, 4, 8, (DATA_REPLICATE, DATA_SHARD, PIPELINE, TENSOR), (1, 4, 2, 2)),
     ],
 )
@@ -73,11 +73,11 @@ def one_process() -> Iterator[None]:
 def test_the_mesh_hands_out_groups_by_name(one_process):
     dims = ParallelDims.resolve(1, 1, 1, 1)
     mesh = dims.build("cpu", "gloo", None)
-    assert mesh.mesh_dim_names == (DATA, PIPELINE) and dims.mesh is mesh
+    assert mesh.mesh_dim_names == (DATA, PIPELINE, TENSOR) and dims.mesh is mesh
     assert dims.pipeline_rank == dims.data_rank == 0 and dims.tensor_group is None and dims.tensor_mesh is None
     assert dims.pipelines().tolist() == [[0]] and dims.loss_weight_group is None
     assert dims.shard_mesh.mesh_dim_names == (DATA,)
-    assert not is_tensor_parallel(mesh) and not is_tensor_parallel(None)
+    assert not is_tensor_parallel(mesh) and not is_tensor_parallel(mesh[DATA]) and not is_tensor_parallel(None)
     with pytest.raises(RuntimeError, match="when the processes start"):
         _ = ParallelDims.resolve(1, 1, 1, 1).pipeline_group
 

@@ -394,7 +394,8 @@ def test_configure_model_finds_the_mesh_by_model_parallel_strategy_names():
     class ReadsTheMesh(Net):
         def configure_model(self) -> None:
             mesh = self.device_mesh
-            self.seen = (mesh.mesh_dim_names, mesh["data_parallel"].size(), mesh["pipeline_parallel"].size())
+            self.seen = (mesh.mesh_dim_names, mesh["data_parallel"].size(), mesh["pipeline_parallel"].size(),
+                         mesh["tensor_parallel"].size())
 
     model = ReadsTheMesh()
     trainer = L.Trainer(
@@ -402,5 +403,6 @@ def test_configure_model_finds_the_mesh_by_model_parallel_strategy_names():
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )
     trainer.fit(model, zoo.loader("tokens", n=8, batch_size=4))
-    assert model.seen == (("data_parallel", "pipeline_parallel"), 1, 1)
+    # "tensor_parallel" is there without tensor parallelism too, as in ModelParallelStrategy: code tests its size
+    assert model.seen == (("data_parallel", "pipeline_parallel", "tensor_parallel"), 1, 1, 1)
     assert trainer.strategy.device_mesh is model.device_mesh

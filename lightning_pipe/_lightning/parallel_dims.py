@@ -2,13 +2,14 @@
 
 [Note: the mesh]
 The mesh's dimensions, outermost first: ``"data_parallel"`` (the pipeline replicas), ``"pipeline_parallel"`` (one
-pipeline), and ``"tensor_parallel"`` innermost when ``tensor_parallel_size > 1`` (the processes that split each block:
-consecutive ranks, one node). ``"data_parallel"`` and ``"tensor_parallel"`` are named as in Lightning's
-``ModelParallelStrategy``, so a ``configure_model`` written for it finds ``self.device_mesh["data_parallel"]`` and
-``self.device_mesh["tensor_parallel"]``. With ``data_parallel="hsdp"`` the replicas form a grid, each row one group of
-replicas that shard the stage (``"data_parallel_shard"``, consecutive ranks), the rows replicating it
-(``"data_parallel_replicate"``); ``"data_parallel"`` is both, flattened. A global rank is
-``((replica * P) + pipeline rank) * T + tensor rank``. (Before 0.2 the dimensions were ``("dp", "pp")``.)
+pipeline), and ``"tensor_parallel"`` innermost (the processes that split each block: consecutive ranks, one node;
+size 1 without tensor parallelism). ``"data_parallel"`` and ``"tensor_parallel"`` are named as in Lightning's
+``ModelParallelStrategy``, which has both whatever their sizes, so a ``configure_model`` written for it finds
+``self.device_mesh["data_parallel"]`` and ``self.device_mesh["tensor_parallel"]`` and may test their ``size()``.
+With ``data_parallel="hsdp"`` the replicas form a grid, each row one group of replicas that shard the stage
+(``"data_parallel_shard"``, consecutive ranks), the rows replicating it (``"data_parallel_replicate"``);
+``"data_parallel"`` is both, flattened. A global rank is ``((replica * P) + pipeline rank) * T + tensor rank``.
+(Before 0.2 the dimensions were ``("dp", "pp")``.)
 """
 
 from __future__ import annotations
@@ -81,11 +82,10 @@ class ParallelDims:
     # ------------------------------------------------------------------------------------------------ the mesh
     def names_and_sizes(self) -> tuple[tuple[str, ...], tuple[int, ...]]:
         """The mesh's dimension names and sizes, outermost first."""
-        tail = ((TENSOR,), (self.tensor,)) if self.tensor > 1 else ((), ())
         if self.shard is None:
-            return (DATA, PIPELINE) + tail[0], (self.data, self.pipeline) + tail[1]
+            return (DATA, PIPELINE, TENSOR), (self.data, self.pipeline, self.tensor)
         rows = self.data // self.shard
-        return (DATA_REPLICATE, DATA_SHARD, PIPELINE) + tail[0], (rows, self.shard, self.pipeline) + tail[1]
+        return (DATA_REPLICATE, DATA_SHARD, PIPELINE, TENSOR), (rows, self.shard, self.pipeline, self.tensor)
 
     def build(self, device_type: str, backend: Optional[str], timeout: Optional[timedelta]) -> DeviceMesh:
         """The mesh over every process, each sub-group with ``timeout``; with replicas and a pipeline, also the group
@@ -146,8 +146,9 @@ class ParallelDims:
 
 
 def is_tensor_parallel(mesh: Optional[DeviceMesh]) -> bool:
-    """Whether ``mesh`` (a DTensor's) spans tensor ranks."""
-    return mesh is not None and TENSOR in (mesh.mesh_dim_names or ())
+    """Whether ``mesh`` (a DTensor's) spans several tensor ranks."""
+    names = list(mesh.mesh_dim_names or ()) if mesh is not None else []
+    return mesh is not None and TENSOR in names and mesh.size(names.index(TENSOR)) > 1
 
 
 def hsdp_shard_size(shard_size: Any, dp: int, processes_per_node: int) -> int:
