@@ -4,10 +4,10 @@
 Lightning calls ``LightningModule.backward(loss)`` after ``training_step``; under ``PipelineStrategy`` the schedule
 runs each microbatch's backward inside ``training_step``, so the override is not called around it. An override that
 only enters a context and calls the base method (Lightning's tensor-parallel example: ``with loss_parallel():
-super().backward(*args, **kwargs)``) is honoured: the last stage's backward of every microbatch runs *through* the
-override, which is called with a stand-in loss whose ``backward()`` runs the schedule's backward, inside whatever
-context the override entered. An override that does anything else (scales the loss, calls ``manual_backward``, steps
-a scaler) is refused at setup, naming it.
+super().backward(*args, **kwargs)``), or calls ``loss.backward()`` itself as the base method does, is honoured: the
+last stage's backward of every microbatch runs *through* the override, which is called with a stand-in loss whose
+``backward()`` runs the schedule's backward, inside whatever context the override entered. An override that does
+anything else (scales the loss, calls ``manual_backward``, steps a scaler) is refused at setup, naming it.
 """
 
 from __future__ import annotations
@@ -61,7 +61,8 @@ def through_backward_override(module: pl.LightningModule) -> Optional[Callable[[
 
 
 def _only_enters_a_context(function: Callable[..., Any]) -> bool:
-    """Whether ``function``'s body is ``with ...: super().backward(<its own arguments>)``, nothing else."""
+    """Whether ``function``'s body is ``with ...: super().backward(<its own arguments>)`` (or ``loss.backward(...)`` on
+    its first argument, as the base method does), nothing else."""
     try:
         source = textwrap.dedent(inspect.getsource(function))
     except (OSError, TypeError):
@@ -77,13 +78,16 @@ def _only_enters_a_context(function: Callable[..., Any]) -> bool:
     if len(body) != 1 or not isinstance(body[0], (ast.Expr, ast.Return)):
         return False
     call = body[0].value
-    if not (
-        isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr == "backward"
-        and isinstance(call.func.value, ast.Call) and isinstance(call.func.value.func, ast.Name)
-        and call.func.value.func.id == "super"
-    ):
+    if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr == "backward"):
         return False
-    params = {a.arg for a in definition.args.args[1:] + definition.args.kwonlyargs}
+    target = call.func.value
+    positional = definition.args.args[1:]
+    if isinstance(target, ast.Name):  # `loss.backward()`, as LightningModule.backward's docstring shows
+        if not positional or target.id != positional[0].arg:
+            return False
+    elif not (isinstance(target, ast.Call) and isinstance(target.func, ast.Name) and target.func.id == "super"):
+        return False
+    params = {a.arg for a in positional + definition.args.kwonlyargs}
     params |= {a.arg for a in (definition.args.vararg, definition.args.kwarg) if a is not None}
     passed = [a.value if isinstance(a, ast.Starred) else a for a in call.args] + [k.value for k in call.keywords]
     return all(isinstance(a, ast.Name) and a.id in params for a in passed)
