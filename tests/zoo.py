@@ -17,12 +17,14 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Optional
 
 import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor.parallel import loss_parallel
 from torch.utils.data import DataLoader, TensorDataset
 
 VOCAB, DIM, SEQ, HEADS = 48, 32, 8, 4
@@ -65,9 +67,11 @@ def finetuning(n: int = 32, seed: int = 0, kind: str = "padded") -> list[dict[st
     return rows
 
 
-def pad_collate(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Pad a batch to its longest row, as a padding collator does: token 0, ``attention_mask`` 0, label ``-100``."""
-    length = max(len(r["input_ids"]) for r in rows)
+def pad_collate(rows: list[dict[str, torch.Tensor]], multiple_of: int = 1) -> dict[str, torch.Tensor]:
+    """Pad a batch to its longest row, as a padding collator does: token 0, ``attention_mask`` 0, label ``-100``;
+    rounded up to a multiple of ``multiple_of`` (``pad_to_multiple_of``: a sequence-parallel model splits the
+    sequence evenly over its tensor ranks)."""
+    length = -(-max(len(r["input_ids"]) for r in rows) // multiple_of) * multiple_of
     batch = {
         "input_ids": torch.zeros(len(rows), length, dtype=torch.long),
         "attention_mask": torch.zeros(len(rows), length, dtype=torch.long),
@@ -80,11 +84,14 @@ def pad_collate(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     return batch
 
 
-def loader(name: str, n: int = 32, batch_size: int = 8, seed: int = 0, kind: Optional[str] = None) -> DataLoader:
+def loader(
+    name: str, n: int = 32, batch_size: int = 8, seed: int = 0, kind: Optional[str] = None, multiple_of: int = 1
+) -> DataLoader:
     """Data for the zoo model ``name``: images for the vision models, tokens (padded for ``rope``) otherwise, or
-    fine-tuning rows (:func:`finetuning`) of ``kind``."""
+    fine-tuning rows (:func:`finetuning`) of ``kind``, padded to a multiple of ``multiple_of``."""
     if kind is not None:
-        return DataLoader(finetuning(n, seed, kind), batch_size=batch_size, collate_fn=pad_collate)
+        collate = functools.partial(pad_collate, multiple_of=multiple_of)
+        return DataLoader(finetuning(n, seed, kind), batch_size=batch_size, collate_fn=collate)
     data = images(n, seed) if name in ("vit", "resnet") else tokens(n, seed, pad=name == "rope")
     return DataLoader(data, batch_size=batch_size)
 
@@ -588,9 +595,142 @@ class LlamaUserTP(LlamaTP):
             parallelize_module(layer, mesh["tensor_parallel"], {k: styles[v]() for k, v in LLAMA_TP_PLAN.items()})
 
 
+class SPAttention(nn.Module):
+    """torchtitan's ``Attention``: its input is whole (``PrepareModuleInput`` gathers the sequence shards)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wq, self.wk, self.wv = (nn.Linear(DIM, DIM, bias=False) for _ in range(3))
+        self.wo = nn.Linear(DIM, DIM, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = (w(x).view(b, t, -1, DIM // HEADS).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        return self.wo(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, -1))
+
+
+class SPFeedForward(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1, self.w3 = nn.Linear(DIM, 2 * DIM, bias=False), nn.Linear(DIM, 2 * DIM, bias=False)
+        self.w2 = nn.Linear(2 * DIM, DIM, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class SPBlock(nn.Module):
+    """torchtitan's ``TransformerBlock``: ``attention`` and ``feed_forward`` submodules, which its sequence-parallel
+    plan prepares the inputs of."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attention_norm, self.attention = nn.RMSNorm(DIM), SPAttention()
+        self.ffn_norm, self.feed_forward = nn.RMSNorm(DIM), SPFeedForward()
+        self.input_lengths: set[int] = set()  # the sequence lengths this block was given (its shard's, under SP)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        self.input_lengths.add(x.shape[1])
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class LlamaSP(LlamaTP):
+    """A Llama fine-tuned on padded batches whose ``configure_model`` is torchtitan's (and Lightning's example's)
+    sequence-parallel plan, written for Lightning's ``ModelParallelStrategy``:
+
+    - the embedding ``RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))``: each tensor rank gets
+      its sequence shard of the embedded tokens (``embed_output="replicate"``: the whole output, and
+      ``PrepareModuleInput`` on ``layers.0`` shards it, as Lightning's example does);
+    - in each block ``SequenceParallel`` norms, ``PrepareModuleInput`` gathering the sequence before ``attention`` and
+      ``feed_forward``, column-wise projections and row-wise ``wo``/``w2`` that reduce-scatter to ``Shard(1)``: the
+      activations between blocks, and so between stages, are sequence shards;
+    - the final norm ``SequenceParallel()``, the head ``ColwiseParallel(input_layouts=Shard(1),
+      output_layouts=Shard(-1), use_local_output=False)``: vocabulary-sharded logits (a DTensor), whose
+      cross-entropy (``ignore_index=-100``, labels shifted as Hugging Face does) runs under ``loss_parallel()`` in
+      ``training_step``, and ``backward`` enters it too (Lightning's example's override);
+    - ``tie=True``: the head's weight is the embedding's (one Parameter), split by both styles (``Shard(0)`` both).
+
+    No-op without a tensor-parallel mesh (one device, or ``tensor_parallel_size=1``).
+    """
+
+    def __init__(self, layers: int = 4, tie: bool = False, embed_output: str = "shard", **kwargs: Any) -> None:
+        super().__init__(layers=0, **kwargs)
+        self.layers = nn.ModuleList([SPBlock() for _ in range(layers)])
+        if tie:  # initialised as GPT-2 initialises its tied embedding (N(0, 1) rows make the logits explode)
+            self.output.weight = self.tok_embeddings.weight
+            nn.init.normal_(self.output.weight, std=0.02)
+        self.embed_output = embed_output
+
+    def configure_model(self) -> None:
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            PrepareModuleInput,
+            RowwiseParallel,
+            SequenceParallel,
+            parallelize_module,
+        )
+
+        mesh = self.device_mesh
+        if mesh is None or "tensor_parallel" not in (mesh.mesh_dim_names or ()) or mesh["tensor_parallel"].size() == 1:
+            return
+        tp_mesh = mesh["tensor_parallel"]
+        outside = {
+            "norm": SequenceParallel(),
+            "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
+        }
+        if self.embed_output == "shard":  # torchtitan
+            outside["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+        else:  # Lightning's example
+            outside["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate())
+            outside["layers.0"] = PrepareModuleInput(
+                input_layouts=(Replicate(), None, None), desired_input_layouts=(Shard(1), None, None),
+                use_local_output=True,
+            )
+        parallelize_module(self, tp_mesh, outside)
+        for block in self.layers:
+            parallelize_module(block, tp_mesh, {
+                "attention_norm": SequenceParallel(),
+                "attention": PrepareModuleInput(
+                    input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None),
+                ),
+                "attention.wq": ColwiseParallel(),
+                "attention.wk": ColwiseParallel(),
+                "attention.wv": ColwiseParallel(),
+                "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+                "ffn_norm": SequenceParallel(),
+                "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                "feed_forward.w1": ColwiseParallel(),
+                "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+                "feed_forward.w3": ColwiseParallel(),
+            })
+
+    def on_train_start(self) -> None:  # what the blocks are given in training (not the strategy's setup analysis)
+        for layer in self.layers:
+            layer.input_lengths.clear()
+
+    def loss(self, batch: Any) -> torch.Tensor:
+        logits = self(batch["input_ids"])  # vocabulary-sharded (a DTensor) under tensor parallelism
+        labels = batch["labels"]
+        with loss_parallel():
+            return F.cross_entropy(
+                logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100
+            )
+
+    def backward(self, *args: Any, **kwargs: Any) -> None:
+        with loss_parallel():
+            super().backward(*args, **kwargs)
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self(batch["input_ids"]).argmax(-1)
+
+
 ZOO = {
     "llama_tp": LlamaTP,
     "llama_tp_user": LlamaUserTP,
+    "llama_sp": LlamaSP,
     "hf_llama": lambda **kw: HFCausalLM("llama", **kw),
     "hf_gpt2": lambda **kw: HFCausalLM("gpt2", **kw),
     "hf_llama_ft": lambda **kw: HFFineTuned("llama", **kw),

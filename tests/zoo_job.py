@@ -9,11 +9,13 @@ after the other in the same processes (starting processes costs more than a smal
 - ``strategy``: ``PipelineStrategy`` kwargs, or null for the single-device reference; ``trainer``: Trainer kwargs;
 - ``data``: kwargs of ``zoo.loader``; ``fns``: ``fit``, ``validate`` and/or ``predict`` (default ``["fit"]``);
 - ``save``: a path to ``trainer.save_checkpoint`` after the fns; ``ckpt_path``: for ``fit``;
-- ``expect_error``: the phase must raise; its message is recorded.
+- ``expect_error``: the phase must raise; its message is recorded. An unexpected error is recorded too (the rank's
+  ``OUT_DIR/<name>.rank<r>.pt`` holds its traceback) and then stops the launch: its ranks may be out of step.
 
 Every rank records the losses and learning rates of every step, its state dict before and after training, the
 callback metrics, predictions and validation values, and, for parameters with several names on this rank (a tied
-head), whether the names still hold the same tensor. :func:`run_phase` runs one phase in the calling process.
+head), whether the names still hold the same tensor, and the sequence lengths its blocks were given (blocks that
+keep ``input_lengths``). :func:`run_phase` runs one phase in the calling process.
 """
 
 from __future__ import annotations
@@ -120,6 +122,7 @@ def run_phase(phase: dict[str, Any], devices: int) -> dict[str, Any]:
         state_dict=plain(state),
         local_numel=sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters()),
         tied=tied,
+        input_lengths=sorted({n for m in model.modules() for n in getattr(m, "input_lengths", ())}),
         callback_metrics={k: float(v) for k, v in trainer.callback_metrics.items()},
         global_step=trainer.global_step,
         rank=trainer.global_rank,
@@ -133,7 +136,13 @@ def main(spec_file: str, out_dir: str) -> None:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for phase in spec["phases"]:
-        result = run_phase(phase, spec["devices"])
+        try:
+            result = run_phase(phase, spec["devices"])
+        except BaseException:
+            started = torch.distributed.is_initialized()
+            rank = torch.distributed.get_rank() if started else int(os.environ.get("LOCAL_RANK", 0))
+            torch.save({"error": traceback.format_exc(), "rank": rank}, out / f"{phase['name']}.rank{rank}.pt")
+            raise
         torch.save(result, out / f"{phase['name']}.rank{result['rank']}.pt")
 
 
