@@ -195,19 +195,6 @@ def test_a_plan_that_names_no_module_is_refused_on_every_rank(four):
         assert "wq" in r["error"] and "w2" in r["error"]  # the block's modules are listed
 
 
-LOG_DTENSOR = (
-    "lightning_pipe/_lightning/log.py `_pack` cannot take the DTensor that `self.log('train_loss', loss)` gets from a"
-    " loss computed under `loss_parallel()` (an AssertionError in DTensor's dispatch; ModelParallelStrategy logs it),"
-    " and `LogRecorder.weigh_loss` does not recognise it as the loss (runtime.py passes `whole(loss)`), so it would be"
-    " merged by rows, not by tokens"
-)
-TIE_GRADIENTS = (
-    "the tied weight's gradient is a Replicate DTensor on the embedding's stage (DTensor's embedding backward) and a"
-    " Shard(0) one on the head's: the tie all-reduce in lightning_pipe/_step/gradients.py sends their local tensors,"
-    " of different sizes (gloo: 'Received data size doesn't match expected size'), and the ranks abort"
-)
-
-
 def token_counts(phase: dict[str, Any], num_microbatches: int) -> list[list[int]]:
     """The targets that are not ``-100`` in each microbatch of each batch (labels shifted, as the model's loss)."""
     counts = []
@@ -218,7 +205,6 @@ def token_counts(phase: dict[str, Any], num_microbatches: int) -> list[list[int]
 
 
 @pytest.mark.dist
-@pytest.mark.xfail(strict=True, reason=LOG_DTENSOR)
 def test_sequence_parallel_loss_parallel_and_split_outside_modules_train_as_one_process(four, work):
     """pp2 x tp2 with the plan of ``zoo.LlamaSP.configure_model`` (sequence parallelism in and between the blocks,
     the embedding, final norm and a vocabulary-sharded head split, ``loss_parallel()``), Interleaved1F1B, clipping,
@@ -240,7 +226,6 @@ def test_sequence_parallel_loss_parallel_and_split_outside_modules_train_as_one_
 
 
 @pytest.mark.dist
-@pytest.mark.xfail(strict=True, reason=LOG_DTENSOR)
 def test_a_sequence_parallel_checkpoint_loads_without_tensor_parallelism_and_consolidates(four, work):
     saved = merged_state(four.ranks("sp_interleaved"))
     loaded = merged_state(four.ranks("load_sp_pp2_dp2"))
@@ -257,7 +242,6 @@ def test_a_sequence_parallel_checkpoint_loads_without_tensor_parallelism_and_con
 
 
 @pytest.mark.dist
-@pytest.mark.xfail(strict=True, reason=TIE_GRADIENTS)
 def test_a_tied_embedding_and_head_both_split_stay_tied(four, work):
     """The head's weight is the embedding's Parameter, split by both styles (RowwiseParallel, ColwiseParallel: Shard(0)
     both), on the two end stages: pp2 x tp2 trains as one process, and the two names hold the same values."""

@@ -22,6 +22,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 from lightning.pytorch import LightningModule
+from torch.distributed.tensor import DTensor
 from torchmetrics import Metric
 
 from lightning_pipe._compat.lightning import logging_routed_to
@@ -30,6 +31,14 @@ from lightning_pipe._ghost import Ghost, GhostValueError
 from lightning_pipe._lightning.metrics import module_metrics
 
 _LOG_SIGNATURE = inspect.signature(LightningModule.log)
+
+
+def _plain(value: Any) -> Any:
+    """A DTensor logged value (a ``loss_parallel`` loss) as the plain tensor every rank holds: a replicated one's own
+    local tensor (so that it is still recognised as the loss), any other one gathered."""
+    if not isinstance(value, DTensor):
+        return value
+    return value.to_local() if all(p.is_replicate() for p in value.placements) else value.full_tensor()
 
 
 class LogRecorder:
@@ -46,7 +55,7 @@ class LogRecorder:
     def __call__(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
         bound = _LOG_SIGNATURE.bind(None, name, value, *args, **kwargs)
         options = {k: v for k, v in bound.arguments.items() if k not in ("self", "name", "value")}
-        self.values.setdefault(name, []).append(value)
+        self.values.setdefault(name, []).append(_plain(value))
         self.options[name] = options
         given = options.get("batch_size")
         size = int(given) if given is not None else self.rows
@@ -64,7 +73,7 @@ class LogRecorder:
         by ``weight``, the count the loss averages over, instead of by rows ([Note: token-weighted losses])."""
         for name in self._this_microbatch:
             value = self.values[name][-1]
-            if isinstance(value, torch.Tensor) and value.dim() == 0 and value.data_ptr() == loss.data_ptr():
+            if isinstance(value, torch.Tensor) and value.dim() == 0 and value.data_ptr() == _plain(loss).data_ptr():
                 self.weights[name][-1] = weight
 
     @contextmanager

@@ -109,7 +109,7 @@ class Gradients:
                     _all_reduce(whole, self.tensor_group, average=True)
         for group, shared in self.tie_groups:
             # Every copy takes part (the same sizes on every rank); a frozen copy gets its gradient dropped after.
-            grads = [kept.get(p) if p in kept else torch.zeros_like(p) for p in shared]
+            grads = [_placed_as(kept[p], p) if p in kept else torch.zeros_like(p) for p in shared]
             with span("all-reduce of tied parameters"):
                 _all_reduce(grads, group, average=False)
             for p, grad in zip(shared, grads):
@@ -145,6 +145,14 @@ class Gradients:
 
     def discard(self) -> None:
         self._pending = None
+
+
+def _placed_as(grad: Tensor, param: nn.Parameter) -> Tensor:
+    """``grad`` laid out as ``param``: a split embedding's gradient comes back replicated over the tensor ranks, its
+    tied head's sharded, and the copies of a tie are summed shard by shard (a local chunk, no communication)."""
+    if isinstance(grad, DTensor) and isinstance(param, DTensor) and grad.placements != param.placements:
+        return grad.redistribute(param.device_mesh, param.placements)
+    return grad
 
 
 def _split_over_tensor_ranks(grad: Tensor) -> bool:

@@ -182,11 +182,11 @@ class PipelineRuntime:
                 result = program.run_answering(output, step, program.sub_batch(rows), *rest, **kwargs)
             loss = loss_of(result)
             weight, factor = weighing.add(result, loss, observer)
-            loss = whole(loss)
             if self.overlap is not None and len(weighing.losses) == num_microbatches:
                 self.overlap.share_scale(weighing.result()[1])  # the other stages reduce with it as they finish
             if weight is not None:
                 recorder.weigh_loss(loss, weight)
+            loss = whole(loss)  # a `loss_parallel` loss as the plain tensor every tensor rank holds
             # A microbatch that weighs nothing back-propagates an exact zero (its mean may be 0 / 0).
             loss = loss * (factor * grad_scale) if factor else output.sum() * 0.0
             return self.amp_scaler.scale(loss) if self.amp_scaler is not None else loss
