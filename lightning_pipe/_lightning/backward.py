@@ -39,8 +39,8 @@ def through_backward_override(module: pl.LightningModule) -> Optional[Callable[[
     stage's backward) inside the override ([Note: backward overrides]). Raises ``ValueError`` naming the override when
     it does more than enter a context."""
     override = type(module).backward
-    if override is pl.LightningModule.backward:
-        return None
+    if override is pl.LightningModule.backward or override.__qualname__ == "LightningModule.backward":
+        return None  # Lightning's own (also under the `pytorch_lightning` package name)
     if not _only_enters_a_context(override):
         where = f"{override.__module__}.{override.__qualname__}"
         raise ValueError(

@@ -108,7 +108,7 @@ def summarize(all_events: Iterable[Event], num_ranks: int) -> dict[str, Any]:
     sent = {r: 0 for r in range(num_ranks)}
     for e in timed:
         if e["cat"] == "comm":
-            sent[int(e["rank"])] += int(e.get("args", {}).get("send_bytes", 0))
+            sent[int(e["rank"])] = sent.get(int(e["rank"]), 0) + int(e.get("args", {}).get("send_bytes", 0))
     steps = [e["end"] - e["start"] for e in events if e["cat"] == "step"]
     total_busy = sum(busy.values())
     return {
