@@ -88,8 +88,8 @@ class PipelineStrategy(WatchedCollectives, ParallelStrategy):
         stages_per_rank: virtual stages per process. ``"auto"``: 1 for 1F1B and GPipe, 2 for multi-stage schedules.
         backbone: the blocks to pipeline, by dotted path: an ``nn.Sequential`` the model calls, an
             ``nn.ModuleList``/``nn.Sequential``/``nn.ModuleDict`` its code loops over (``"model.layers"``), or a list
-            of consecutive containers. ``"auto"`` (default): a ``backbone`` attribute, else the longest container of
-            repeated blocks (refused, listing the candidates, when two are equally long). See ``docs/models.md``.
+            of consecutive containers. ``"auto"`` (default): a ``backbone`` attribute, else the containers of repeated
+            blocks the step runs one after the other, else the longest (refused when ambiguous). See ``docs/models.md``.
         balance: modules per stage: ``"uniform"`` (default), ``"parameters"`` (minimise the largest stage's parameter
             count), ``"time"`` (each module's forward+backward timed on the first batch by rank 0; minimise the
             slowest stage), or a list of counts (``lightning_pipe.stored_balance(ckpt_dir)`` reuses a checkpoint's).

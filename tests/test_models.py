@@ -48,6 +48,9 @@ TWO = [
     case("vit", "vit", {"num_microbatches": 2, "schedule": "GPipe", "activation_checkpointing": True}),
     case("resnet", "resnet", {"num_microbatches": 4, "schedule": "DualPipeV", **RESNET},
          trainer={"gradient_clip_val": 0.5}, fns=["fit", "validate"]),
+    # backbone="auto" with four equally long containers that the forward runs one after the other: all of them
+    case("resnet_auto", "resnet", {"num_microbatches": 4, "schedule": "Interleaved1F1B"},
+         model_kwargs={"layers": [2, 2, 2, 2]}, trainer={"gradient_clip_val": 0.5}),
     case("rope", "rope", {"num_microbatches": 4, "schedule": "InterleavedZeroBubble", "balance": "time"}),
     case("albert", "albert", {"num_microbatches": 4}, fns=["fit", "predict"]),
     case("nanogpt_meta", "nanogpt", {"num_microbatches": 4}, meta_init=True),

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
@@ -68,9 +68,10 @@ class Backbone:
 def find_backbone(module: nn.Module, spec: Union[str, Sequence[str]] = "auto") -> Backbone:
     """The backbone of ``module``: the container(s) at the dotted path(s) ``spec``, or found (``"auto"``).
 
-    ``"auto"`` takes a ``backbone`` attribute if the module has one, else the longest container of repeated
-    blocks (children of one class, with parameters), outermost first; it refuses, listing the candidates, when two
-    are equally long.
+    ``"auto"`` takes a ``backbone`` attribute if the module has one, else the longest container of repeated blocks
+    (children of one class, with parameters), outermost first; it refuses, listing the candidates, when two are
+    equally long. (Before that, ``_model/split.py`` tries every candidate together, kept when the step runs them one
+    after the other: :func:`consecutive_candidates`.)
     """
     if isinstance(spec, str) and spec == "auto":
         paths = _auto_paths(module)
@@ -95,6 +96,16 @@ def find_backbone(module: nn.Module, spec: Union[str, Sequence[str]] = "auto") -
     backbone = Backbone(tuple(paths), tuple(containers), tuple(blocks))
     log.debug("backbone: %s", backbone.describe())
     return backbone
+
+
+def consecutive_candidates(module: nn.Module) -> Optional[list[str]]:
+    """For ``backbone="auto"`` without a ``backbone`` attribute: the paths of every container of repeated blocks, in
+    module order, when there are several (an encoder's then a decoder's layers, torchvision's ``layer1`` ..
+    ``layer4``); ``None`` otherwise. The caller keeps them only if the step runs them one after the other."""
+    if isinstance(getattr(module, "backbone", None), _CONTAINERS):
+        return None
+    candidates = _repeated_containers(module)
+    return [name for name, _ in candidates] if len(candidates) > 1 else None
 
 
 def _auto_paths(module: nn.Module) -> list[str]:

@@ -19,7 +19,7 @@ from torch import nn
 from torchmetrics import Metric
 
 from lightning_pipe._errors import BackboneCallError, argument_not_on_stage
-from lightning_pipe._model.backbone import find_backbone
+from lightning_pipe._model.backbone import consecutive_candidates, find_backbone
 from lightning_pipe._model.calls import Structure
 from lightning_pipe._model.cut import Cut
 from lightning_pipe._model.structure import analyze
@@ -92,9 +92,8 @@ def split_module(
             )
         log.debug("pipeline rank %d: reusing the split module: %s", rank, layout.describe())
         return previous
-    backbone = find_backbone(module, backbone_spec)
     step, args = sample()
-    structure = analyze(module, backbone, step, args, device, training=fitting)
+    backbone, structure = _backbone_of(module, backbone_spec, step, args, device, fitting)
     if balance == "time":
         costs = measure(backbone, structure, step, args[0], rest=args[1:])
     else:
@@ -107,6 +106,30 @@ def split_module(
     rank_zero_info(f"PipelineStrategy ({schedule.name}): {layout.describe()}")
     log.debug("%s", cut.describe(rank))
     return cut
+
+
+def _backbone_of(
+    module: nn.Module, spec: Union[str, list[str]], step: Callable[..., Any], args: tuple, device: torch.device,
+    fitting: bool,
+) -> tuple[Any, Structure]:
+    """The backbone and how the step calls it. With ``backbone="auto"`` and several containers of repeated blocks, all
+    of them when the step runs them one after the other, each block's output the next one's input (torchvision's
+    ``layer1`` .. ``layer4``); else the single container ``find_backbone`` picks (or refuses as ambiguous)."""
+    candidates = consecutive_candidates(module) if spec == "auto" else None
+    if candidates is not None:
+        backbone = find_backbone(module, candidates)
+        try:
+            structure = analyze(module, backbone, step, args, device, training=fitting)
+        except BackboneCallError as err:
+            log.debug("backbone='auto': %s do not run one after the other (%s)", candidates, err)
+        else:
+            rank_zero_info(
+                f"PipelineStrategy: pipelining {backbone.describe()}, which the step runs one after the other; set"
+                " `backbone=` to choose others."
+            )
+            return backbone, structure
+    backbone = find_backbone(module, spec)
+    return backbone, analyze(module, backbone, step, args, device, training=fitting)
 
 
 def previous_cut(module: nn.Module) -> Optional[Cut]:
