@@ -68,6 +68,12 @@ class Overrides(L.LightningModule):
         with loss_parallel():
             loss.backward(*args, **kwargs)
 
+    def imports_what_it_enters(self, *args, **kwargs):
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        with loss_parallel():
+            super().backward(*args, **kwargs)
+
     # ---- doing more than entering a context
     def scales_the_loss(self, loss, *args, **kwargs):
         with loss_parallel():
@@ -116,7 +122,8 @@ class Overrides(L.LightningModule):
 
 
 HONOURED = ["as_lightnings_example", "with_a_docstring_and_named_loss", "nested_and_bound",
-            "two_contexts_in_one_with", "only_calls_the_base", "keyword_passed", "calls_loss_backward"]
+            "two_contexts_in_one_with", "only_calls_the_base", "keyword_passed", "calls_loss_backward",
+            "imports_what_it_enters"]
 REFUSED = ["scales_the_loss", "passes_something_else", "calls_backward_on_a_scaled_loss",
            "calls_backward_on_something_else", "calls_backward_on_another_argument",
            "calls_manual_backward", "a_statement_before", "a_statement_after",

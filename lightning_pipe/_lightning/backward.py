@@ -70,11 +70,11 @@ def _only_enters_a_context(function: Callable[..., Any]) -> bool:
     definition = ast.parse(source).body[0]
     if not isinstance(definition, (ast.FunctionDef, ast.AsyncFunctionDef)):
         return False
-    body = definition.body
+    body = _without_imports(definition.body)
     if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
         body = body[1:]  # the docstring
     while len(body) == 1 and isinstance(body[0], ast.With):
-        body = body[0].body
+        body = _without_imports(body[0].body)
     if len(body) != 1 or not isinstance(body[0], (ast.Expr, ast.Return)):
         return False
     call = body[0].value
@@ -91,3 +91,8 @@ def _only_enters_a_context(function: Callable[..., Any]) -> bool:
     params |= {a.arg for a in (definition.args.vararg, definition.args.kwarg) if a is not None}
     passed = [a.value if isinstance(a, ast.Starred) else a for a in call.args] + [k.value for k in call.keywords]
     return all(isinstance(a, ast.Name) and a.id in params for a in passed)
+
+
+def _without_imports(body: list[ast.stmt]) -> list[ast.stmt]:
+    """``body`` without its import statements (``from torch.distributed.tensor.parallel import loss_parallel``)."""
+    return [statement for statement in body if not isinstance(statement, (ast.Import, ast.ImportFrom))]
