@@ -1,0 +1,251 @@
+"""The strategy's own cost per schedule, on a model whose blocks cost fixed wall times, against torch's schedule driven
+by a hand-written loop over the same blocks, in one run.
+
+Each block's forward sleeps ``--forward-ms``, its input-gradient ``--input-grad-ms`` (a custom autograd function around
+the block's output) and its weight-gradient ``--weight-grad-ms`` (a hook on the weight's gradient, which zero-bubble
+schedules compute apart from the input gradient and may defer). Sleeping holds no core, so 4 processes on 2 cores
+behave like 4 devices and the schedules' bubbles show as they would on GPUs; the matrix products are tiny.
+
+For each schedule: (a) the hand-written loop: ``PipelineStage`` per local stage (looped or V-shaped placement, as the
+strategy places them), torch's schedule class, SGD, on ``--pp`` processes (``torch.multiprocessing``, gloo); (b)
+``PipelineStrategy(schedule=...)`` on the same blocks, split and batches. Median step time after warm-up, and (b)/(a)
+as speed. Results go to ``benchmarks/costed_results.json``.
+
+    python benchmarks/costed.py                                   # pp4, m=8, 10 ms each, every schedule
+    python benchmarks/costed.py --schedules 1F1B --steps 5        # a quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from lightning.pytorch.callbacks import Callback
+from torch import nn
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from lightning_pipe import PipelineStrategy
+from lightning_pipe.schedules import SCHEDULES
+
+ALL = ["1F1B", "GPipe", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]
+
+
+class _Sleep(torch.autograd.Function):
+    """Identity whose forward and backward sleep: the block's forward and input-gradient cost."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, forward_s: float, backward_s: float) -> torch.Tensor:
+        ctx.backward_s = backward_s
+        time.sleep(forward_s)
+        return x.clone()  # not a view: zero-bubble schedules detach stage outputs in place
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        time.sleep(ctx.backward_s)
+        return grad, None, None
+
+
+class CostedBlock(nn.Module):
+    """``x + x @ w``, costing ``forward_ms`` forward, ``input_grad_ms`` for the input gradient and ``weight_grad_ms``
+    for the weight gradient."""
+
+    def __init__(self, dim: int, forward_ms: float, input_grad_ms: float, weight_grad_ms: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(dim, dim) * 0.01)
+        self.forward_s, self.input_grad_s = forward_ms / 1e3, input_grad_ms / 1e3
+        weight_grad_s = weight_grad_ms / 1e3
+        if weight_grad_s > 0:
+            self.weight.register_hook(lambda grad: (time.sleep(weight_grad_s), grad)[1])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Sleep.apply(x + x @ self.weight, self.forward_s, self.input_grad_s)
+
+
+class Costed(L.LightningModule):
+    def __init__(self, blocks: int, dim: int, forward_ms: float, input_grad_ms: float, weight_grad_ms: float,
+                 lr: float = 0.01) -> None:
+        super().__init__()
+        self.lr = lr
+        self.backbone = nn.Sequential(
+            *[CostedBlock(dim, forward_ms, input_grad_ms, weight_grad_ms) for _ in range(blocks)]
+        )
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = F.mse_loss(self.backbone(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+def _model(args: argparse.Namespace) -> Costed:
+    torch.manual_seed(0)
+    return Costed(args.pp * 2 * args.blocks_per_stage, args.dim, args.forward_ms, args.input_grad_ms,
+                  args.weight_grad_ms)
+
+
+def _batches(args: argparse.Namespace) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    n = args.warmup + args.steps + 1
+    return [(torch.randn(args.batch_size, args.dim, generator=g), torch.randn(args.batch_size, args.dim, generator=g))
+            for _ in range(n)]
+
+
+def _stage_indices(name: str, pp: int, rank: int) -> list[int]:
+    spec = SCHEDULES[name]
+    if not spec.multi_stage:
+        return [rank]
+    if spec.placement == "v":
+        return [rank, 2 * pp - 1 - rank]
+    return [rank, rank + pp]
+
+
+def _num_stages(name: str, pp: int) -> int:
+    return 2 * pp if SCHEDULES[name].multi_stage else pp
+
+
+# ------------------------------------------------------------------------------------------------ (a) torch loop
+def torch_worker(rank: int, args: argparse.Namespace, port: int, out: str) -> None:
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import get_schedule_class
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=args.pp)
+    name, pp = args.schedule, args.pp
+    blocks = list(_model(args).backbone)
+    num_stages = _num_stages(name, pp)
+    per = len(blocks) // num_stages
+    indices = _stage_indices(name, pp, rank)
+    parts = {i: nn.Sequential(*blocks[i * per:(i + 1) * per]) for i in indices}
+    stages = [PipelineStage(parts[i], i, num_stages, torch.device("cpu")) for i in indices]
+    cls = get_schedule_class(name)
+
+    def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(out, target) / args.num_microbatches
+
+    kwargs = dict(n_microbatches=args.num_microbatches, loss_fn=loss_fn, scale_grads=False)
+    schedule = cls(stages, **kwargs) if SCHEDULES[name].multi_stage else cls(stages[0], **kwargs)
+    params = [p for part in parts.values() for p in part.parameters()]
+    optimizer = torch.optim.SGD(params, lr=0.01)
+    has_first, has_last = 0 in indices, num_stages - 1 in indices
+    starts = []
+    for x, y in _batches(args):
+        dist.barrier()
+        starts.append(time.perf_counter())
+        optimizer.zero_grad()
+        schedule.step(*([x] if has_first else []), **({"target": y} if has_last else {}), return_outputs=False)
+        optimizer.step()
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump({"starts": starts}, f)
+    dist.destroy_process_group()
+
+
+def run_torch(args: argparse.Namespace, out: str) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torch.multiprocessing.spawn(torch_worker, args=(args, port, out), nprocs=args.pp, join=True)
+
+
+# ------------------------------------------------------------------------------------------------ (b) strategy
+class _Starts(Callback):
+    def __init__(self) -> None:
+        self.starts: list[float] = []
+
+    def on_train_batch_start(self, trainer: Any, *args: Any) -> None:
+        self.starts.append(time.perf_counter())
+
+    def on_train_end(self, trainer: Any, *args: Any) -> None:
+        self.starts.append(time.perf_counter())
+
+
+def run_strategy(args: argparse.Namespace, out: str) -> None:
+    torch.set_num_threads(1)
+    spec = SCHEDULES[args.schedule]
+    strategy = PipelineStrategy(
+        pipeline_parallel_size=args.pp, schedule=args.schedule, num_microbatches=args.num_microbatches,
+        stages_per_rank=2 if spec.multi_stage else 1, check_data_every_n_batches=None,
+    )
+    starts = _Starts()
+    trainer = L.Trainer(accelerator="cpu", devices=args.pp, strategy=strategy, max_steps=len(_batches(args)),
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[starts], use_distributed_sampler=False)
+    trainer.fit(_model(args), torch.utils.data.DataLoader(_batches(args), batch_size=None))
+    if trainer.global_rank == 0:
+        with open(out, "w") as f:
+            json.dump({"starts": starts.starts}, f)
+
+
+# ------------------------------------------------------------------------------------------------ parent
+def _median_step(starts: list[float], warmup: int) -> float:
+    return statistics.median([b - a for a, b in zip(starts, starts[1:])][warmup:])
+
+
+def _variant(args: argparse.Namespace, variant: str, schedule: str) -> float:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.json")
+        flags = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in ("schedules", "variant",
+                                                                                            "out", "schedule")]
+        cmd = [sys.executable, os.path.abspath(__file__), f"--variant={variant}", f"--schedule={schedule}",
+               f"--out={out}", *flags]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=args.timeout)
+        if proc.returncode != 0 or not os.path.exists(out):
+            sys.exit(f"{variant} {schedule} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+        with open(out) as f:
+            return _median_step(json.load(f)["starts"], args.warmup)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--variant", default="all", choices=["all", "torch", "strategy"])
+    p.add_argument("--schedule", default="1F1B")
+    p.add_argument("--schedules", default=",".join(ALL))
+    p.add_argument("--out", default=None)
+    p.add_argument("--pp", type=int, default=4)
+    p.add_argument("--num-microbatches", type=int, default=8)
+    p.add_argument("--blocks-per-stage", type=int, default=1, help="blocks per virtual stage")
+    p.add_argument("--dim", type=int, default=16)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--forward-ms", type=float, default=10.0)
+    p.add_argument("--input-grad-ms", type=float, default=10.0)
+    p.add_argument("--weight-grad-ms", type=float, default=10.0)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--timeout", type=int, default=600)
+    args = p.parse_args()
+    if args.variant == "torch":
+        return run_torch(args, args.out)
+    if args.variant == "strategy":
+        return run_strategy(args, args.out)
+    results = {"args": {k: v for k, v in vars(args).items() if k not in ("variant", "out", "schedule")}}
+    print(f"{'schedule':<22}{'torch loop s':>14}{'strategy s':>12}{'speed':>8}", flush=True)
+    for schedule in [s.strip() for s in args.schedules.split(",") if s.strip()]:
+        torch_s = _variant(args, "torch", schedule)
+        strategy_s = _variant(args, "strategy", schedule)
+        results[schedule] = {"torch_loop_s": torch_s, "strategy_s": strategy_s, "speed": torch_s / strategy_s}
+        print(f"{schedule:<22}{torch_s:>14.4f}{strategy_s:>12.4f}{torch_s / strategy_s:>8.3f}", flush=True)
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "costed_results.json")
+    with open(path, "w") as f:
+        json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
