@@ -117,7 +117,9 @@ class Gradients:
                     kept[p] = grad
                 else:
                     kept.pop(p, None)
-        self._pending = list(kept.items())
+        # A DTensor gradient in another layout than its parameter (a sequence-parallel norm's comes back Partial over
+        # the tensor ranks on torch 2.14) is reduced to the parameter's layout: the optimizer state follows it.
+        self._pending = [(p, _placed_as(grad, p)) for p, grad in kept.items()]
 
     def _reduce_sharded(self, scale: float, span: Span, skip: set[int]) -> dict[nn.Parameter, Tensor]:
         """Scale and reduce-scatter the units' accumulated gradients; returns the sharded gradients, leaving the
@@ -149,7 +151,8 @@ class Gradients:
 
 def _placed_as(grad: Tensor, param: nn.Parameter) -> Tensor:
     """``grad`` laid out as ``param``: a split embedding's gradient comes back replicated over the tensor ranks, its
-    tied head's sharded, and the copies of a tie are summed shard by shard (a local chunk, no communication)."""
+    tied head's sharded, and the copies of a tie are summed shard by shard (a local chunk, no communication); a
+    ``Partial`` one is reduced over the tensor ranks."""
     if isinstance(grad, DTensor) and isinstance(param, DTensor) and grad.placements != param.placements:
         return grad.redistribute(param.device_mesh, param.placements)
     return grad
