@@ -7,14 +7,12 @@ of size 1 gives the meshes."""
 from __future__ import annotations
 
 import contextlib
-import socket
 from collections.abc import Iterator
 from typing import Any
 
 import lightning as L
 import pytest
 import torch
-import torch.distributed as dist
 import zoo
 from models import TinyLM, loader
 from torch import nn
@@ -209,20 +207,6 @@ def test_the_last_stages_backward_runs_through_an_override_that_enters_a_context
 
 
 # ------------------------------------------------------------------------------------------------ recorded calls
-@pytest.fixture(scope="module")
-def group() -> Iterator[dist.ProcessGroup]:
-    if dist.is_initialized():  # left by an in-process Trainer of an earlier test (Lightning keeps it): one process
-        assert dist.get_world_size() == 1
-        yield dist.group.WORLD
-        return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{port}")
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")

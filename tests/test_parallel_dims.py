@@ -3,12 +3,8 @@ blocks a rank holds, and the styles a ``configure_model`` asks for, recorded and
 
 from __future__ import annotations
 
-import socket
-from collections.abc import Iterator
-
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
@@ -54,23 +50,7 @@ def test_sizes_that_do_not_match_the_processes_are_refused_with_the_arithmetic()
     assert hsdp_shard_size("auto", 8, 4) == 4
 
 
-@pytest.fixture(scope="module")
-def one_process() -> Iterator[None]:
-    if dist.is_initialized():  # left by an in-process Trainer of an earlier test (Lightning keeps it): one process
-        assert dist.get_world_size() == 1
-        yield
-        return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{port}")
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
-def test_the_mesh_hands_out_groups_by_name(one_process):
+def test_the_mesh_hands_out_groups_by_name(group):
     dims = ParallelDims.resolve(1, 1, 1, 1)
     mesh = dims.build("cpu", "gloo", None)
     assert mesh.mesh_dim_names == (DATA, PIPELINE, TENSOR) and dims.mesh is mesh
@@ -106,7 +86,7 @@ def test_the_modules_outside_the_blocks_that_a_rank_holds():
     assert outside_modules(model, blocks, last_stage) == [model.trunk["norm"], model.head]
 
 
-def test_recorded_styles_apply_to_this_ranks_own_modules_only(one_process):
+def test_recorded_styles_apply_to_this_ranks_own_modules_only(group):
     tp_mesh = ParallelDims.resolve(1, 1, 1, 1).build("cpu", "gloo", None)[DATA]  # a 1-D mesh of one rank
     model = _Model()
     with recording(model) as calls:

@@ -4,13 +4,10 @@ gloo group of size 1 stands in for the pipeline where the code needs one."""
 
 from __future__ import annotations
 
-import socket
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import BaseFinetuning
 from lightning.pytorch.plugins.precision import Precision
@@ -219,20 +216,6 @@ def test_the_answer_carries_gradients_to_the_stage_output_and_the_head():
 
 
 # ------------------------------------------------------------------------------------------------ one process group
-@pytest.fixture(scope="module")
-def group() -> Iterator[dist.ProcessGroup]:
-    if dist.is_initialized():  # left by an in-process Trainer of an earlier test (Lightning keeps it): one process
-        assert dist.get_world_size() == 1
-        yield dist.group.WORLD
-        return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{port}")
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
 
 
 def test_align_param_groups_on_one_rank_keeps_the_groups(group):
