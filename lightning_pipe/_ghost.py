@@ -26,8 +26,9 @@ _ITEM_OPS = {
 }
 
 
-#: Called with the ghosts of every operation while set (the setup's analysis of a step watches them).
-observer: Optional[Callable[[Any, list["Ghost"]], None]] = None
+#: Called with each operation on ghosts, the ghosts it read and what it returned (``None`` when it reads a value),
+#: while set: the setup's analysis of a step watches them.
+observer: Optional[Callable[[Any, list["Ghost"], Any], None]] = None
 
 
 class GhostValueError(RuntimeError):
@@ -83,9 +84,9 @@ class Ghost(torch.Tensor):
         kwargs = kwargs or {}
         ghosts = [a for a in _leaves((args, kwargs)) if isinstance(a, Ghost)]
         first = ghosts[0]
-        if observer is not None:
-            observer(func, ghosts)
         if func in _ITEM_OPS:
+            if observer is not None:
+                observer(func, ghosts, None)
             raise GhostValueError(
                 f"The code read the value of {first!r}, which this pipeline stage does not compute. Only the first"
                 " stage computes what comes before the backbone, and values a step reads before the backbone call"
@@ -115,7 +116,10 @@ class Ghost(torch.Tensor):
                 return same if same is not None else Ghost(value, device, origin)
             return value
 
-        return tree_map(to_ghost, out)
+        result = tree_map(to_ghost, out)
+        if observer is not None:
+            observer(func, ghosts, result)
+        return result
 
 
 def _leaves(tree: Any) -> list:

@@ -116,10 +116,13 @@ def test_cut_places_before_inside_and_after_the_trunk():
         "norm.weight": {1}, "norm.bias": {1}, "head.weight": {1}, "head.bias": {1},  # after the trunk: last stage
     }
     assert cut.ties() == []
-    # what the code before the trunk reads: ghosts while it runs anywhere but in the first stage's own run
-    swaps = {(type(owner).__name__, name, kind) for owner, name, kind in cut.prefix_swaps(0)}
-    assert swaps == {("Embedding", "weight", "parameter"), ("Net", "vector", "parameter")}
-    assert cut.prefix_swaps(1) == []
+    # what the code before the trunk reads: ghosts while it runs anywhere but in the first stage's own window
+    swaps = {
+        key: {(type(owner).__name__, name, kind) for owner, name, kind in entries}
+        for key, entries in cut.window_swaps(0).items()
+    }
+    assert swaps == {0: set(), "answer": {("Embedding", "weight", "parameter"), ("Net", "vector", "parameter")}}
+    assert cut.window_swaps(1) == {1: [], "answer": []}
 
 
 def test_tied_head_is_on_both_ends_stored_once_and_summed_over_both_ranks():
@@ -171,7 +174,9 @@ def two_stages_on_one_rank() -> tuple[Net, Net, StepProgram]:
     cut.keep_only(0, CPU)
     bounds = {s: cut.layout.bounds[s] for s in cut.layout.rank_stages(0)}
     assert bounds == {0: (0, 2), 1: (2, 4)}
-    return reference, model, StepProgram(model, cut.backbone, cut.structure, bounds, cut.prefix_swaps(0), CPU)
+    return reference, model, StepProgram(
+        model, cut.backbone, cut.structure, cut.flow, bounds, cut.window_swaps(0), CPU
+    )
 
 
 @torch.no_grad()
@@ -189,8 +194,8 @@ def test_each_stage_runs_its_blocks_and_the_answer_runs_the_rest_of_the_step():
     x, y = batch()
     rows = torch.arange(2, 5)  # one microbatch
     with program.holding(model.training_step, (x, y), BATCH, 0):
-        first = program.run_stage(0, rows, None)
-        second = program.run_stage(1, rows, first)  # the code before the trunk runs on ghosts here
+        (first,) = program.run_stage(0, rows)
+        (second,) = program.run_stage(1, rows, (first,))  # the code before the trunk runs on ghosts here
     assert program.batch is None and program.step is None  # nothing of the batch outlives its block
     h = reference.before(x[2:5])
     h = reference.blocks[1](reference.blocks[0](h))

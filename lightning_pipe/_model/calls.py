@@ -13,19 +13,23 @@ output) and its output is that tensor, or a tuple/list whose first element is.
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_leaves, tree_unflatten
 
 from lightning_pipe._errors import BackboneCallError, not_computed_by_last_stage
 from lightning_pipe._ghost import Ghost, ghost_of
 from lightning_pipe._lightning.log import LogRecorder
 from lightning_pipe._model.backbone import Backbone
+from lightning_pipe._model.flow import Producer, Unsendable
 
 #: ``("arg", position)`` or ``("kwarg", name)``: where a block call carries the hidden state.
 HiddenAt = tuple[str, Any]
@@ -34,16 +38,37 @@ HiddenAt = tuple[str, Any]
 OutputKind = Optional[tuple[type, tuple[Optional[Tensor], ...]]]
 
 
+@dataclass(frozen=True)
+class BlockIO:
+    """How the analysis saw one block call: the shapes of its tensor arguments, and its output as a tree whose
+    tensors are meta tensors (a skipped block answers with ghosts of these shapes, resized to the call's)."""
+
+    arg_shapes: tuple[tuple[int, ...], ...]
+    out_spec: Any
+    out_leaves: tuple[Any, ...]
+
+
 @dataclass
 class Structure:
-    """What the setup learned about one step (see the module docstring)."""
+    """What the setup learned about one step (see the module docstring and [Note: stage boundaries])."""
 
     hidden_at: list[HiddenAt]
     outputs: list[OutputKind]
-    prefix_params: set[int] = field(default_factory=set)  # ids of parameters read before the backbone
-    prefix_modules: set[int] = field(default_factory=set)  # ids of modules called before the backbone
-    post_params: set[int] = field(default_factory=set)  # ids of parameters read after it (as far as it ran)
-    param_extras: dict[int, list[str]] = field(default_factory=dict)  # block -> its arguments that need parameters
+    #: per block: whether its hidden state is what the block before returned (``backbone="auto"`` needs it within a
+    #: container)
+    chained: list[bool] = field(default_factory=list)
+    block_io: list[Optional[BlockIO]] = field(default_factory=list)
+    #: ``{producer: (position, positions that use it)}`` of every value computed from parameters, in production order
+    values: dict[Producer, tuple[int, set[int]]] = field(default_factory=dict)
+    unsendable: list[Unsendable] = field(default_factory=list)
+    region_params: dict[int, set[int]] = field(default_factory=dict)  # parameter id -> regions that read it
+    region_modules: dict[int, set[int]] = field(default_factory=dict)  # module id -> regions that call it
+
+    def params_read_in(self, region: int) -> set[int]:
+        return {pid for pid, regions in self.region_params.items() if region in regions}
+
+    def producer_modules(self) -> set[str]:
+        return {key for kind, key, _, _ in self.values if kind == "module"}
 
 
 class Stop(BaseException):
@@ -81,14 +106,16 @@ class Runner(nn.Module):
 
 
 class BlockCalls:
-    """The mode-independent part of one run: order, hidden state and chain checks, and what the mode does."""
+    """The mode-independent part of one run: block order, the hidden state, module outputs, and what the mode does."""
 
     def __init__(self, program: BlockRunners) -> None:
         self.program = program
         self.next = 0
         self.chain: Any = None  # the hidden state the last block call produced
         self.after_backbone = False
-        self.restore_prefix: Optional[Callable[[], None]] = None  # undoes the ghosting of the prefix's tensors
+        self.in_block = False
+        self.module_calls: dict[str, int] = {}  # producer module -> its calls outside the blocks so far
+        self.restore_prefix: Optional[Callable[[], None]] = None  # undoes the ghosting of tensors read early
 
     def call_block(self, index: int, block: nn.Module, args: tuple, kwargs: dict) -> Any:
         backbone = self.program.backbone
@@ -101,14 +128,6 @@ class BlockCalls:
         self.next += 1
         at = self.locate_hidden(index, args, kwargs)
         hidden = get_hidden(args, kwargs, at)
-        if index > 0 and hidden is not self.chain:
-            prev = backbone.blocks[index - 1].name
-            raise BackboneCallError(
-                f"The hidden state that reaches `{backbone.blocks[index].name}` is not what `{prev}` returned: code"
-                " between two blocks changes it (or, with several containers, code between them runs). A pipeline"
-                " runs a stage's blocks back to back, so that code would be skipped. Move it into a block (or before"
-                " or after the backbone), or choose other containers with `backbone=`."
-            )
         out = self.on_block(index, block, args, kwargs, at, hidden)
         self.chain = self.program.hidden_of(index, out)
         if index == len(backbone) - 1:
@@ -126,6 +145,16 @@ class BlockCalls:
     def on_backbone_end(self) -> None:
         pass
 
+    def module_output(self, path: str, output: Any) -> Any:
+        """A producer module (see [Note: stage boundaries]) returned ``output`` outside the blocks: count the call,
+        and return what the step should see (``None``: the output itself)."""
+        call = self.module_calls.get(path, 0)
+        self.module_calls[path] = call + 1
+        return self.on_module_output(path, call, output)
+
+    def on_module_output(self, path: str, call: int, output: Any) -> Any:
+        return None
+
 
 class BlockRunners:
     r"""The backbone of ``module`` with its blocks swapped for :class:`Runner`\ s while a run is in progress.
@@ -135,8 +164,9 @@ class BlockRunners:
         backbone: its backbone.
         structure: what the setup learned about the step's block calls (a blank one while it learns).
         device: this rank's device.
-        prefix_swaps: the parameters and buffers this rank holds that the code before the backbone uses: runs with
-            ``ghost_prefix`` see ghosts in their place until the backbone ends (the stage program's; none elsewhere).
+        swaps: ``{key: [(owner, name, kind)]}``: the parameters this rank holds that the code before a run's window
+            reads (``key``: a stage, or ``"answer"`` for the code after the backbone): a run with that key sees
+            ghosts in their place until its window starts (the stage program's; none elsewhere).
     """
 
     def __init__(
@@ -145,7 +175,7 @@ class BlockRunners:
         backbone: Backbone,
         structure: Structure,
         device: Any,
-        prefix_swaps: Sequence[tuple[nn.Module, str, str]] = (),
+        swaps: Optional[dict[Any, Sequence[tuple[nn.Module, str, str]]]] = None,
     ) -> None:
         self.module = module
         self.backbone = backbone
@@ -154,17 +184,30 @@ class BlockRunners:
         self.current: Optional[BlockCalls] = None
         self._runners = [Runner(self, i, backbone.module(i)) for i in range(len(backbone))]
         self._blocks = [backbone.module(i) for i in range(len(backbone))]
-        # (owner, name, kind, real, ghost) of the held tensors the code before the backbone reads
-        self._swaps = [
-            (owner, name, kind, real, ghost_of(real, origin=name))
-            for owner, name, kind in prefix_swaps
-            for real in [getattr(owner, f"_{kind}s")[name]]
-        ]
+        # key -> (owner, name, kind, real, ghost) of the held tensors read before the window
+        self._swaps = {
+            key: [
+                (owner, name, kind, real, ghost_of(real, origin=name))
+                for owner, name, kind in entries
+                for real in [getattr(owner, f"_{kind}s")[name]]
+            ]
+            for key, entries in (swaps or {}).items()
+        }
         self._displaced: list[tuple[dict, str, Any]] = []  # what the stand-ins replaced, put back after
+        self._hooks = [
+            module.get_submodule(path).register_forward_hook(functools.partial(self._module_returned, path))
+            for path in sorted(structure.producer_modules())
+        ]
+
+    def _module_returned(self, path: str, called: nn.Module, args: Any, output: Any) -> Any:
+        run = self.current
+        if run is None or run.in_block:
+            return None
+        return run.module_output(path, output)
 
     def batch_size_of(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> int:
         """The batch size of a step's call: the first dimension of the first block's hidden state."""
-        with self.running(_Capture(self), ghost_prefix=True) as run:
+        with self.running(_Capture(self), swaps="answer") as run:
             try:
                 call_muted(self.module, step, args, kwargs)
             except Stop as stop:
@@ -191,18 +234,39 @@ class BlockRunners:
         rest = [None if m is None else ghost_of(m, self.device) for m in metas]
         return kind([hidden, *rest])
 
+    def skipped_output(self, index: int, args: tuple, kwargs: dict, hidden: Any, given: dict[Producer, Any]) -> Any:
+        """What block ``index``, which this run skips, returns: the values ``given`` for its producers (received
+        from the stage that ran it), ghosts of the right shapes for the rest."""
+        io = self.structure.block_io[index]
+        if io is None:
+            return self.output_like(index, hidden)
+        shapes = [tuple(t.shape) for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
+        sizes = _size_map(io.arg_shapes, shapes)
+        leaves = []
+        for i, leaf in enumerate(io.out_leaves):
+            value = given.get(("block", index, 0, i))
+            if value is None and isinstance(leaf, Tensor):
+                shape = tuple(leaf.shape) if sizes is None else tuple(sizes.get(d, d) for d in leaf.shape)
+                if isinstance(hidden, Ghost) and tuple(hidden.shape) == shape and hidden.dtype == leaf.dtype:
+                    value = hidden  # the common case: a block returns its hidden state's shape (no new ghost)
+                else:
+                    value = Ghost(torch.empty(shape, dtype=leaf.dtype, device="meta"), self.device)
+            leaves.append(leaf if value is None else value)
+        return tree_unflatten(leaves, io.out_spec)
+
     @contextmanager
-    def running(self, run: BlockCalls, ghost_prefix: bool) -> Iterator[BlockCalls]:
-        """Swap the runners in and make ``run`` the run in progress for the block (one at a time per process)."""
+    def running(self, run: BlockCalls, swaps: Any = None) -> Iterator[BlockCalls]:
+        """Swap the runners in and make ``run`` the run in progress for the block (one at a time per process);
+        ``swaps``: the key of the tensors it sees as ghosts until ``run.restore_prefix()``."""
         if self.current is not None:
             raise RuntimeError("A pipelined step is already running in this process.")
         self.current = run
         for i, runner in enumerate(self._runners):
             self.backbone.set_module(i, runner)
-        swapped = ghost_prefix and bool(self._swaps)
-        if swapped:
-            self._swap(ghost=True)
-        run.restore_prefix = (lambda: self._swap(ghost=False)) if swapped else None
+        entries = self._swaps.get(swaps, []) if swaps is not None else []
+        if entries:
+            self._swap(entries)
+        run.restore_prefix = self._put_back if entries else None
         try:
             yield run
         finally:
@@ -212,16 +276,18 @@ class BlockRunners:
                 self.backbone.set_module(i, block)
             self.current = None
 
-    def _swap(self, ghost: bool) -> None:
-        """Put the stand-ins in (``ghost``) or what they displaced back. What is registered may no longer be the
-        tensor captured at setup: a sharded stage registers its unsharded parameters while unsharded."""
-        if not ghost:
-            for table, name, value in reversed(self._displaced):
-                table[name] = value
-            self._displaced = []
-            return
+    def _put_back(self) -> None:
+        for table, name, value in reversed(self._displaced):
+            table[name] = value
         self._displaced = []
-        for owner, name, kind, real, stand_in in self._swaps:
+        if self.current is not None:
+            self.current.restore_prefix = None
+
+    def _swap(self, entries: list) -> None:
+        """Put the stand-ins in. What is registered may no longer be the tensor captured at setup: a sharded stage
+        registers its unsharded parameters while unsharded."""
+        self._displaced = []
+        for owner, name, kind, real, stand_in in entries:
             table = getattr(owner, f"_{kind}s")
             if name not in table:  # registered under another name since (pruning's `weight_orig`)
                 name = next((key for key, value in table.items() if value is real), name)
@@ -237,6 +303,21 @@ class _Capture(BlockCalls):
     def on_block(self, index: int, block: nn.Module, args: tuple, kwargs: dict, at: HiddenAt, hidden: Any) -> Any:
         raise Stop(hidden)
 
+
+
+def _size_map(old: Sequence[tuple[int, ...]], new: Sequence[tuple[int, ...]]) -> Optional[dict[int, int]]:
+    """``{old size: new size}`` over two lists of shapes, or ``None`` if they differ in rank or an old size would map
+    to two new ones."""
+    if len(old) != len(new):
+        return None
+    sizes: dict[int, int] = {}
+    for a, b in zip(old, new):
+        if len(a) != len(b):
+            return None
+        for x, y in zip(a, b):
+            if sizes.setdefault(x, y) != y:
+                return None
+    return sizes
 
 
 def get_hidden(args: tuple, kwargs: dict, at: HiddenAt) -> Any:

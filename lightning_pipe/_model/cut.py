@@ -5,9 +5,10 @@ modules (a head tied to the embedding), and a module may sit at several paths (a
 goes to the stages that use it:
 
 - inside a block: that block's stage (a block reused in several places: each of their stages);
-- a parameter the code before the backbone reads, in a module it calls (or reads directly): the first stage;
-- every other parameter outside the backbone: the last stage (a parameter also read after the backbone, through
-  the same registration, goes there too);
+- a parameter outside the blocks: the stages whose code reads it (the code before the backbone runs on the first
+  stage, the code between two blocks on the next block's, the code after the backbone on the last); a tensor
+  registered under several names (T5's embedding shared by encoder, decoder and head) goes, under each name, where
+  its module is called, so it is tied over those stages; a parameter nothing reads stays on the last stage;
 - a buffer outside the backbone goes with its module's parameters; one in a module without parameters (rotary
   tables, masks) is on every stage.
 
@@ -34,6 +35,7 @@ from lightning_pipe._ghost import Ghost, ghost_of
 from lightning_pipe._lightning.summary import parameter_counts
 from lightning_pipe._model.backbone import Backbone
 from lightning_pipe._model.calls import Structure
+from lightning_pipe._model.flow import make_flow
 from lightning_pipe._model.names import ModelNames
 from lightning_pipe.partition import StageLayout
 
@@ -86,15 +88,19 @@ class Cut:
         self.parallelism: Any = None
         _refuse_shared_storage(module)
         self._place(module)
+        self.flow = make_flow(structure, layout, [b.name for b in backbone.blocks])
 
     # ------------------------------------------------------------------------------------------------ placement
+    def region_stage(self, region: int) -> int:
+        """The stage that runs the code before block ``region`` (after the backbone: the last)."""
+        return self.last_stage if region >= len(self.backbone) else self.block_stage[region]
+
     def _place(self, module: nn.Module) -> None:
-        structure, s_last = self.structure, self.last_stage
+        structure = self.structure
         in_blocks: dict[int, set[int]] = {}
         for i in range(len(self.backbone)):
             for sub in self.backbone.module(i).modules():
                 in_blocks.setdefault(id(sub), set()).add(self.block_stage[i])
-        called_first = structure.prefix_modules
         by_tensor: dict[int, list[Registration]] = {}
         for reg in self.registrations:
             by_tensor.setdefault(id(reg.tensor), []).append(reg)
@@ -102,25 +108,35 @@ class Cut:
             if id(reg.owner) in in_blocks:
                 reg.stages = frozenset(in_blocks[id(reg.owner)])
             elif reg.kind == "parameter":
-                reg.stages = frozenset({self._outside_stage(reg, by_tensor[id(reg.tensor)], called_first)})
+                reg.stages = self._outside_stages(reg, by_tensor[id(reg.tensor)])
         for reg in self.registrations:  # buffers outside the blocks follow their module's parameters
             if reg.kind == "buffer" and id(reg.owner) not in in_blocks:
                 own = [r.stages for r in self.registrations if r.owner is reg.owner and r.kind == "parameter"]
                 reg.stages = own[0] if own else frozenset(range(self.layout.num_stages))
-        for pid in structure.post_params:  # read after the backbone: the last stage must hold it
+        for pid, regions in structure.region_params.items():  # every stage that reads a parameter holds it
             regs = by_tensor.get(pid, [])
-            if regs and not any(s_last in r.stages for r in regs):
-                for r in regs:
-                    r.stages = r.stages | {s_last}
+            for stage in sorted({self.region_stage(r) for r in regions}):
+                if regs and not any(stage in r.stages for r in regs):
+                    for r in regs:
+                        r.stages = r.stages | {stage}
 
-    def _outside_stage(self, reg: Registration, same: list[Registration], called_first: set[int]) -> int:
-        if id(reg.tensor) not in self.structure.prefix_params:
-            return self.last_stage
-        if id(reg.owner) in called_first:
-            return 0
-        if any(id(r.owner) in called_first for r in same if r is not reg):
-            return self.last_stage  # another name of a tied tensor is the first stage's (an embedding); this one not
-        return 0  # read directly by the code before the backbone (e.g. a class token)
+    def _outside_stages(self, reg: Registration, same: list[Registration]) -> frozenset[int]:
+        """A parameter outside the blocks goes to the stages whose code reads it. A tensor with several names (T5's
+        shared embedding, a tied head) goes, under each name, where that name's module is called; a name whose
+        module is never called goes with the first other name."""
+        calls = self.structure.region_modules
+        reads = self.structure.region_params.get(id(reg.tensor), set())
+        regions = set(reads)
+        if len(same) > 1:
+            mine = reads & calls.get(id(reg.owner), set())
+            others = set().union(*(reads & calls.get(id(r.owner), set()) for r in same if r is not reg))
+            regions = mine or (reads - others)
+            if not regions and others:
+                first = next(r for r in same if reads & calls.get(id(r.owner), set()))
+                regions = {min(reads & calls.get(id(first.owner), set()))}
+        if not regions:
+            return frozenset({self.last_stage})  # never read: kept with the code after the backbone
+        return frozenset(self.region_stage(r) for r in regions)
 
     # ------------------------------------------------------------------------------------------------ per rank
     def ranks_of(self, reg: Registration) -> frozenset[int]:
@@ -142,15 +158,18 @@ class Cut:
             found[reg.key] = (reg.key, ranks | self.ranks_of(reg), source)
         return [found_tie for found_tie in found.values() if len(found_tie[1]) > 1]
 
-    def prefix_swaps(self, rank: int) -> list[tuple[nn.Module, str, str]]:
-        """The parameters this rank holds under names the code before the backbone reads: they are ghosts while that
-        code runs anywhere but in the first stage's own run."""
-        prefix = self.structure.prefix_params
-        return [
-            (reg.owner, reg.name, reg.kind)
-            for reg in self.held(rank)
-            if reg.kind == "parameter" and 0 in reg.stages and id(reg.tensor) in prefix
-        ]
+    def window_swaps(self, rank: int) -> dict[Any, list[tuple[nn.Module, str, str]]]:
+        """``{stage or "answer": [(owner, name, kind)]}``: the parameters this rank holds that the code before that
+        run's window reads. They are ghosts until the window starts, so a stage does not compute, for real, what an
+        earlier stage computes (and sends)."""
+        held = [reg for reg in self.held(rank) if reg.kind == "parameter"]
+        starts: dict[Any, int] = {s: self.layout.bounds[s][0] for s in self.layout.rank_stages(rank)}
+        starts["answer"] = len(self.backbone)
+        swaps = {}
+        for key, first in starts.items():
+            early = {pid for pid, regions in self.structure.region_params.items() if min(regions) < first}
+            swaps[key] = [(reg.owner, reg.name, reg.kind) for reg in held if id(reg.tensor) in early]
+        return swaps
 
     def stage_parameters(self, stage: int) -> list[nn.Parameter]:
         """The parameters a stage's module registers (its blocks' and the outside ones it holds): what torch's stage
@@ -169,10 +188,9 @@ class Cut:
                 reg.tensor = new[id(reg.tensor)]
         first = {id(new[i]) if i in new else i: name for i, name in self.names.first_name.items()}
         self.names = replace(self.names, first_name=first)
-        for ids in (self.structure.prefix_params, self.structure.post_params):
-            moved = {i for i in ids if i in new}
-            ids.difference_update(moved)
-            ids.update(id(new[i]) for i in moved)
+        reads = self.structure.region_params
+        for old in [i for i in reads if i in new]:
+            reads[id(new[old])] = reads.pop(old)
 
     @contextmanager
     def parameters_replaced(self, module: nn.Module) -> Iterator[None]:

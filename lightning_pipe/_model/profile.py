@@ -109,7 +109,7 @@ def measure_backbone(
 def _profile_step(program: BlockRunners, step: Callable[..., Any], args: tuple, device: torch.device) -> list[float]:
     """One run of ``step(*args)`` (one microbatch) with every block timed on ``device``; returns the costs per block."""
     run = _Profiled(program, device)
-    with program.running(run, ghost_prefix=False):
+    with program.running(run):
         program.module.to(device)  # the blocks are runners now: this moves only what is outside the backbone
         _sync(device)
         run.mark = time.perf_counter()

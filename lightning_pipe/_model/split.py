@@ -18,7 +18,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torchmetrics import Metric
 
-from lightning_pipe._errors import BackboneCallError, argument_not_on_stage
+from lightning_pipe._errors import BackboneCallError
 from lightning_pipe._model.backbone import consecutive_candidates, find_backbone
 from lightning_pipe._model.calls import Structure
 from lightning_pipe._model.cut import Cut
@@ -99,11 +99,12 @@ def split_module(
     else:
         costs = _parameter_costs(module, backbone, structure)
     layout = make_layout(costs, pp, stages_per_rank, balance, style)
-    _refuse_parameter_arguments(backbone, structure, layout)
     cut = Cut(module, backbone, structure, layout)
     cut.keep_only(rank, device)
     _cuts[module] = cut
     rank_zero_info(f"PipelineStrategy ({schedule.name}): {layout.describe()}")
+    if cut.flow.carries_more_than_hidden():
+        rank_zero_info(f"PipelineStrategy: stage boundaries carry {cut.flow.describe()}")
     log.debug("%s", cut.describe(rank))
     return cut
 
@@ -113,8 +114,9 @@ def _backbone_of(
     fitting: bool,
 ) -> tuple[Any, Structure]:
     """The backbone and how the step calls it. With ``backbone="auto"`` and several containers of repeated blocks, all
-    of them when the step runs them one after the other, each block's output the next one's input (torchvision's
-    ``layer1`` .. ``layer4``); else the single container ``find_backbone`` picks (or refuses as ambiguous)."""
+    of them when the step runs them one after the other, each block's output the next one's input within each
+    (torchvision's ``layer1`` .. ``layer4``; an encoder's layers, then a decoder's); else the single container
+    ``find_backbone`` picks (or refuses as ambiguous)."""
     candidates = consecutive_candidates(module) if spec == "auto" else None
     if candidates is not None:
         backbone = find_backbone(module, candidates)
@@ -122,7 +124,12 @@ def _backbone_of(
             structure = analyze(module, backbone, step, args, device, training=fitting)
         except BackboneCallError as err:
             log.debug("backbone='auto': %s do not run one after the other (%s)", candidates, err)
-        else:
+            structure = None
+        starts = {b.index for b in backbone.blocks if b.key == next(iter(backbone.containers[b.container]._modules))}
+        if structure is not None and not all(structure.chained[i] for i in range(len(backbone)) if i not in starts):
+            log.debug("backbone='auto': within %s, a block does not take the one before's output", candidates)
+            structure = None
+        if structure is not None:
             rank_zero_info(
                 f"PipelineStrategy: pipelining {backbone.describe()}, which the step runs one after the other; set"
                 " `backbone=` to choose others."
@@ -138,8 +145,8 @@ def previous_cut(module: nn.Module) -> Optional[Cut]:
 
 
 def _parameter_costs(module: nn.Module, backbone: Any, structure: Structure) -> list[float]:
-    """Parameters per block; those of the code before the backbone count with the first block, the rest outside the
-    backbone with the last."""
+    """Parameters per block; those outside the blocks count with the block whose stage first reads them (the code
+    before block ``r`` runs on its stage), those nothing reads with the last."""
     inside: set[int] = set()
     costs = []
     for i in range(len(backbone)):
@@ -148,15 +155,6 @@ def _parameter_costs(module: nn.Module, backbone: Any, structure: Structure) -> 
         costs.append(float(sum(p.numel() for p in params.values())))
     for p in {id(p): p for p in module.parameters()}.values():
         if id(p) not in inside:
-            costs[0 if id(p) in structure.prefix_params else -1] += p.numel()
+            regions = structure.region_params.get(id(p))
+            costs[min(min(regions), len(costs) - 1) if regions else -1] += p.numel()
     return costs
-
-
-def _refuse_parameter_arguments(backbone: Any, structure: Structure, layout: Any) -> None:
-    for index, names in sorted(structure.param_extras.items()):
-        stage = layout.stage_of_block(index)
-        if stage > 0:
-            raise BackboneCallError(argument_not_on_stage(
-                backbone.blocks[index].name, stage, f"its argument(s) {', '.join(names)} are computed from parameters"
-                " (e.g. from the embedding's output, or from an earlier block's output)"
-            ))

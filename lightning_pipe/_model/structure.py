@@ -3,12 +3,15 @@
 Before the split, every rank runs the user's step once on one microbatch of the first batch with every parameter a
 ghost (:mod:`lightning_pipe._ghost`): no compute, no memory, the same answer on every rank. The run shows
 
-- which parameters the code before the backbone reads, and which modules it calls: they live on the first stage
-  (the rest of the model outside the backbone lives on the last);
-- how each block is called: where its hidden state is, what it returns, and whether its other arguments depend on
-  parameters (then only a first-stage block may have them);
-- that the step can be cut: the blocks run once each, in order, each gets what the one before returned, and no block
-  output but the last is used elsewhere; a cache of keys and values from earlier calls is refused.
+- which parameters each region of code outside the blocks reads, and which modules it calls: they live on the stage
+  that runs that region (before the backbone: the first; between two blocks: the next block's; after the backbone:
+  the last);
+- how each block is called: where its hidden state is (and whether it is what the block before returned), and what
+  it returns;
+- every value computed from parameters, from the block or module output that produces it to every use: what each
+  stage boundary carries ([Note: stage boundaries] in :mod:`lightning_pipe._model.flow`);
+- that the step can be cut: the blocks run once each, in order; a cache of keys and values from earlier calls is
+  refused.
 
 Any of these that fails is an error at setup, on every rank, naming the fix.
 """
@@ -22,15 +25,17 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_flatten, tree_leaves
 
 from lightning_pipe import _ghost
 from lightning_pipe._errors import BackboneCallError
-from lightning_pipe._ghost import Ghost, GhostValueError, contains_ghost, ghost_of
+from lightning_pipe._ghost import Ghost, GhostValueError, ghost_of
 from lightning_pipe._lightning.metrics import metrics_set_aside, module_metrics
 from lightning_pipe._model.backbone import Backbone
+from lightning_pipe._model.flow import Producer, Unsendable, block_position, region_position
 from lightning_pipe._model.calls import (
     BlockCalls,
+    BlockIO,
     BlockRunners,
     HiddenAt,
     OutputKind,
@@ -58,11 +63,13 @@ def analyze(
     module.train(training)
     with everything_ghosted(module, device) as ghosts, metrics_set_aside(module_metrics(module)), torch.no_grad():
         run.ghost_params = {id(g): pid for pid, g in ghosts.items() if pid in params}
+        run.param_names = {pid: name for name, p in module.named_parameters() for pid in [id(p)]}
         previous = _ghost.observer
-        hook = nn.modules.module.register_module_forward_pre_hook(run.module_called)
+        pre = nn.modules.module.register_module_forward_pre_hook(run.module_called)
+        post = nn.modules.module.register_module_forward_hook(run.module_returned)
         _ghost.observer = run.observe
         try:
-            with run.program.running(run, ghost_prefix=False):
+            with run.program.running(run):
                 try:
                     call_muted(module, step, args, {})
                 except (GhostValueError, RuntimeError, TypeError, ValueError, IndexError) as err:
@@ -72,94 +79,127 @@ def analyze(
                     log.debug("analysis stopped after the backbone: %s", err)
         finally:
             _ghost.observer = previous
-            hook.remove()
+            pre.remove()
+            post.remove()
             for sub, mode in modes:
                 sub.training = mode
     if run.next < len(backbone):
         raise never_called(run)
-    if run.misuse is not None:
-        raise run.misuse
-    structure = run.structure
+    structure = run.resolve()
     log.debug(
-        "structure: %d blocks, prefix reads %d parameters, block arguments from parameters: %s",
-        len(backbone), len(structure.prefix_params), structure.param_extras or "none",
+        "structure: %d blocks, parameters read outside them by region: %d, values computed from parameters: %s",
+        len(backbone), len(structure.region_params), list(structure.values),
     )
     return structure
 
 
 class _Analysis(BlockCalls):
-    """The analysing run: records everything :class:`Structure` holds."""
+    """The analysing run: records everything :class:`Structure` holds.
+
+    Every parameter is a ghost, so every value computed from parameters is one: the run follows ghosts from where
+    they are produced (a block's or a module's output, or tensor code) to where they are used (block calls and
+    operations outside the blocks), by position ([Note: stage boundaries])."""
 
     def __init__(self, module: nn.Module, backbone: Backbone, device: torch.device) -> None:
         n = len(backbone)
-        structure = Structure(hidden_at=[("arg", 0)] * n, outputs=[None] * n)
+        structure = Structure(
+            hidden_at=[("arg", 0)] * n, outputs=[None] * n, chained=[True] * n, block_io=[None] * n
+        )
         program = BlockRunners(module, backbone, structure, device)
         super().__init__(program)
         self.structure = structure
         self.device = device
         self.ghost_params: dict[int, int] = {}
-        self.block_outputs: dict[int, tuple[int, Tensor]] = {}  # id of a block's output -> (block, the output)
-        self.in_block = False
+        self.param_names: dict[int, str] = {}
+        self.module_names = {id(m): name for name, m in module.named_modules() if name}
         self.started = False
-        self.misuse: Optional[BackboneCallError] = None
+        self.kept: dict[int, Ghost] = {}  # every ghost seen, so that its id is not reused
+        self.producers: dict[int, tuple[Producer, int]] = {}  # id(ghost) -> (producer, position)
+        self.derived: dict[int, tuple[int, list[int], list[int], str]] = {}  # id -> (position, inputs, params, op)
+        self.uses: dict[int, set[int]] = {}  # id(ghost) -> positions that use it
+
+    def _keep(self, ghost: Ghost) -> int:
+        self.kept[id(ghost)] = ghost
+        return id(ghost)
+
+    def _here(self) -> int:
+        return region_position(self.next)
 
     # --------------------------------------------------------------------------------------------- observation
     def module_called(self, called: nn.Module, args: Any) -> None:
-        if not self.started and not isinstance(called, Runner):
-            self.structure.prefix_modules.add(id(called))
+        if not self.in_block and not isinstance(called, Runner):
+            self.structure.region_modules.setdefault(id(called), set()).add(self.next)
 
-    def observe(self, func: Any, ghosts: list[Ghost]) -> None:
+    def module_returned(self, called: nn.Module, args: Any, output: Any) -> None:
+        if self.in_block or isinstance(called, Runner):
+            return
+        path = self.module_names.get(id(called))
+        if path is None:
+            return
+        call = self.module_calls.get(path, 0)
+        self.module_calls[path] = call + 1
+        for i, leaf in enumerate(tree_leaves(output)):
+            if isinstance(leaf, Ghost) and id(leaf) not in self.producers and id(leaf) not in self.ghost_params:
+                self.producers[self._keep(leaf)] = (("module", path, call, i), self._here())
+
+    def observe(self, func: Any, ghosts: list[Ghost], result: Any) -> None:
+        if self.in_block:
+            return
+        here = self._here()
+        inputs, reads = [], []
         for g in ghosts:
             pid = self.ghost_params.get(id(g))
-            if pid is not None and not self.in_block:
-                (self.structure.post_params if self.after_backbone else self.structure.prefix_params).add(pid)
-            known = self.block_outputs.get(id(g))
-            if known is not None and known[1] is g and not self.in_block and self.misuse is None:
-                # Reported after the step, unless a more precise error (a block skipped, code between blocks) comes.
-                self.misuse = BackboneCallError(
-                    f"The output of block `{self.program.backbone.blocks[known[0]].name}` is used by code other than"
-                    " the next block (for example kept for later, or combined with another block's output). A"
-                    " pipeline stage passes on only its last block's hidden state; use only the last block's output"
-                    " after the backbone."
-                )
+            if pid is not None:
+                self.structure.region_params.setdefault(pid, set()).add(self.next)
+                reads.append(pid)
+            else:
+                self.uses.setdefault(self._keep(g), set()).add(here)
+                inputs.append(id(g))
+        if result is None:
+            return
+        for out in tree_leaves(result):
+            if isinstance(out, Ghost) and id(out) not in self.kept and id(out) not in self.ghost_params:
+                self.derived[self._keep(out)] = (here, inputs, reads, str(func))
 
     # --------------------------------------------------------------------------------------------- block calls
     def locate_hidden(self, index: int, args: tuple, kwargs: dict) -> HiddenAt:
-        """Learn (and record) where this call carries the hidden state, checking it against the block before."""
+        """Learn (and record) where this call carries the hidden state: what the block before returned, else the
+        first positional (or tensor keyword) argument."""
         if index == 0:
             self.started = True
             _refuse_filled_cache(args, kwargs)
-            if args:
-                at: HiddenAt = ("arg", 0)
-            else:
-                key = next((k for k, v in kwargs.items() if isinstance(v, Tensor)), None)
-                if key is None:
-                    raise BackboneCallError(
-                        f"The first backbone block `{self.program.backbone.blocks[0].name}` was called without a"
-                        " tensor argument; its first positional argument (or first tensor keyword argument) must be"
-                        " the hidden state."
-                    )
-                at = ("kwarg", key)
-        else:
-            found = [("arg", i) for i, a in enumerate(args) if a is self.chain]
-            found += [("kwarg", k) for k, v in kwargs.items() if v is self.chain]
-            at = found[0] if found else ("arg", 0)  # no match: the chain check reports it
-        self.structure.hidden_at[index] = at
-        return at
+        found = [("arg", i) for i, a in enumerate(args) if index > 0 and a is self.chain]
+        found += [("kwarg", k) for k, v in kwargs.items() if index > 0 and v is self.chain]
+        if index > 0:
+            self.structure.chained[index] = bool(found)
+        if not found and args:
+            found = [("arg", 0)]
+        if not found:
+            key = next((k for k, v in kwargs.items() if isinstance(v, Tensor)), None)
+            if key is None:
+                raise BackboneCallError(
+                    f"The backbone block `{self.program.backbone.blocks[index].name}` was called without a tensor"
+                    " argument; its first positional argument (or first tensor keyword argument) must be the hidden"
+                    " state."
+                )
+            found = [("kwarg", key)]
+        self.structure.hidden_at[index] = found[0]
+        return found[0]
 
     def on_block(self, index: int, block: nn.Module, args: tuple, kwargs: dict, at: HiddenAt, hidden: Any) -> Any:
         backbone = self.program.backbone
         if not isinstance(hidden, Tensor):
             raise BackboneCallError(
                 f"Block `{backbone.blocks[index].name}` gets a {type(hidden).__name__} as its hidden state; a pipeline"
-                " sends one tensor between stages. Pass the hidden state as a tensor (the block's first argument)."
+                " sends tensors between stages. Pass the hidden state as a tensor (the block's first argument)."
             )
-        others = _others(args, kwargs, at)
-        ghostly = [name for name, value in others if contains_ghost(value)]
-        if ghostly and index > 0:
-            self.structure.param_extras[index] = ghostly
+        position = block_position(index)
+        for leaf in tree_leaves((args, kwargs)):
+            if isinstance(leaf, Ghost) and id(leaf) not in self.ghost_params:
+                self.uses.setdefault(self._keep(leaf), set()).add(position)
         if not isinstance(hidden, Ghost):  # no real data reaches a block: it computes nothing here
             args, kwargs = replace_hidden(args, kwargs, at, ghost_of(hidden, self.device))
+        shapes = tuple(tuple(t.shape) for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor))
         self.in_block = True
         try:
             out = block(*args, **kwargs)
@@ -167,22 +207,62 @@ class _Analysis(BlockCalls):
             # The block cannot run on ghosts (e.g. data-dependent routing): assume it returns its hidden state's
             # kind and shape, and check what it really returns when it first runs.
             log.debug("block %d does not run on ghosts (%s); assuming it returns a tensor", index, err)
-            out = hidden
+            out = ghost_of(hidden, self.device)
         finally:
             self.in_block = False
         self.structure.outputs[index] = _output_kind(backbone.blocks[index].name, out)
-        hidden_out = out if self.structure.outputs[index] is None else out[0]
-        if index < len(backbone) - 1:
-            self.block_outputs[id(hidden_out)] = (index, hidden_out)  # kept alive, so its id is not reused
+        leaves, spec = tree_flatten(out)
+        for i, leaf in enumerate(leaves):
+            if isinstance(leaf, Ghost) and (id(leaf) not in self.producers or id(leaf) in self.derived):
+                self.producers[self._keep(leaf)] = (("block", index, 0, i), position)
+        self.structure.block_io[index] = BlockIO(
+            shapes, spec, tuple(_meta(leaf) if isinstance(leaf, Tensor) else leaf for leaf in leaves)
+        )
         return out
 
-    def on_backbone_end(self) -> None:
-        self.block_outputs.pop(id(self.chain), None)  # the last block's output is the stage output: free to use
+    # --------------------------------------------------------------------------------------------- the result
+    def resolve(self) -> Structure:
+        """Name every use of a value computed from parameters by the producers it comes from."""
+        roots: dict[int, tuple[frozenset[int], frozenset[int]]] = {}
+
+        def producers_of(gid: int) -> tuple[frozenset[int], frozenset[int]]:
+            if gid in self.producers:
+                return frozenset({gid}), frozenset()
+            if gid in roots:
+                return roots[gid]
+            roots[gid] = (frozenset(), frozenset())  # a cycle cannot happen; this guards the recursion anyway
+            entry = self.derived.get(gid)
+            if entry is None:  # not from parameters (a batch tensor's stand-in): real on every stage
+                return roots[gid]
+            found, params = set(), set(entry[2])
+            for source in entry[1]:
+                more, read = producers_of(source)
+                found |= more
+                params |= read
+            roots[gid] = (frozenset(found), frozenset(params))
+            return roots[gid]
+
+        uses: dict[int, set[int]] = {}
+        for gid, positions in self.uses.items():
+            found, params = producers_of(gid)
+            for root in found:
+                uses.setdefault(root, set()).update(positions)
+            if params and gid not in self.producers:
+                position = self.derived[gid][0]
+                later = frozenset(u for u in positions if u > position)
+                if later:
+                    names = tuple(sorted(self.param_names.get(p, "?") for p in params))
+                    what = f"The result of `{self.derived[gid][3]}`"
+                    self.structure.unsendable.append(Unsendable(what, names, position, later))
+        for gid, (producer, position) in self.producers.items():
+            later = {u for u in uses.get(gid, ()) if u > position}
+            if later:
+                self.structure.values[producer] = (position, later)
+        return self.structure
 
 
-def _others(args: tuple, kwargs: dict, at: HiddenAt) -> list[tuple[str, Any]]:
-    named = [(f"positional argument {i}", a) for i, a in enumerate(args) if ("arg", i) != at]
-    return named + [(f"`{k}`", v) for k, v in kwargs.items() if ("kwarg", k) != at]
+def _meta(t: Tensor) -> Tensor:
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
 
 
 def _output_kind(name: str, out: Any) -> OutputKind:

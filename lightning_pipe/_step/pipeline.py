@@ -44,6 +44,7 @@ from lightning_pipe._step.shapes import (
     MAX_SCHEDULES,
     MAX_SHAPES_REMEMBERED,
     Meta,
+    Metas,
     ScheduleCache,
     ShapeStats,
     describe_key,
@@ -56,8 +57,8 @@ from lightning_pipe.schedules import ScheduleSpec
 from lightning_pipe.timeline import TimelineRecorder
 
 log = logging.getLogger(__name__)
-#: ``probe(stage, rows, received) -> output``: a stage's output shape for an input shape, leaving no trace.
-Probe = Callable[[int, torch.Tensor, Optional[Meta]], Meta]
+#: ``probe(stage, rows, received) -> output``: a stage's output shapes for its input shapes, leaving no trace.
+Probe = Callable[[int, torch.Tensor, Optional[Metas]], Metas]
 
 
 class StageModule(nn.Module):
@@ -84,9 +85,9 @@ class StageModule(nn.Module):
             return iter(self._current())
         return super().parameters(recurse)
 
-    def forward(self, *inputs: torch.Tensor, lp_rows: torch.Tensor) -> torch.Tensor:
-        received = inputs[0] if self.stage > 0 else None
-        return self._program.run_stage(self.stage, lp_rows, received)
+    def forward(self, *inputs: torch.Tensor, lp_rows: torch.Tensor) -> Any:
+        out = self._program.run_stage(self.stage, lp_rows, inputs if self.stage > 0 else ())
+        return out[0] if len(out) == 1 else out
 
 
 class ReducingStage(PipelineStage):
@@ -148,11 +149,12 @@ class StagePipeline:
         self.first_stage_rank = layout.stage_rank(0)
         self.last_stage_rank = layout.stage_rank(layout.num_stages - 1)
         self._schedules = ScheduleCache(max_schedules)
-        self._metas: OrderedDict[tuple, dict[int, tuple[Meta, Meta]]] = OrderedDict()  # see _stage_metas
+        self._metas: OrderedDict[tuple, dict[int, tuple[Metas, Metas]]] = OrderedDict()  # see _stage_metas
         self._loss_fn: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None
         self.overlap: Optional[ReductionOverlap] = None  # reductions in the last backward (set by the runtime)
-        #: ``{stage: bytes}`` each local stage but the last sends per microbatch for the latest shape: this rank's own
-        #: message, ``1 / tensor_parallel_size`` of the activation with sequence parallelism
+        #: ``{stage: bytes}`` each local stage but the last sends per microbatch for the latest shape, every tensor its
+        #: boundary carries ([Note: stage boundaries]): this rank's own message, ``1 / tensor_parallel_size`` of the
+        #: activation with sequence parallelism
         self.boundary_bytes: dict[int, int] = {}
         self.through_override: Optional[Callable[[Callable[[], Any]], Any]] = None  # set by the runtime
 
@@ -205,7 +207,16 @@ class StagePipeline:
         rows = torch.arange(batch_size, device=self.device)
         with self._dropped_if_it_fails(schedule), _watchdog.waiting(lambda: self._transfers("evaluation")):
             output = schedule.eval(*self._first_input(rows), lp_rows=rows)
-        return output if self.has_last_stage else None
+        if not self.has_last_stage:
+            return None
+        if isinstance(output, tuple):  # torch concatenates along dimension 0: a value without a batch dimension
+            key = self._key_for(sample, batch_size, num_microbatches, training=False)
+            metas = self._metas[shape_of(key)][self.layout.num_stages - 1][1]
+            output = tuple(
+                out if shape[:1] == (batch_size // num_microbatches,) else out[: shape[0]]
+                for out, (shape, _) in zip(output, metas)
+            )
+        return output
 
     @contextmanager
     def _dropped_if_it_fails(self, schedule: Any) -> Iterator[None]:
@@ -251,10 +262,14 @@ class StagePipeline:
         return self._loss_fn(output, target)
 
     # ------------------------------------------------------------------ building
-    def _schedule_for(self, sample: Any, batch_size: int, num_microbatches: int, training: bool) -> Any:
+    def _key_for(self, sample: Any, batch_size: int, num_microbatches: int, training: bool) -> tuple:
         rows = batch_size // num_microbatches
         shapes = tuple((tuple(t.shape), t.dtype) for t in tree_leaves(sample) if isinstance(t, torch.Tensor))
-        key = (rows, shapes, num_microbatches, training, torch.is_autocast_enabled(self.device.type))
+        return rows, shapes, num_microbatches, training, torch.is_autocast_enabled(self.device.type)
+
+    def _schedule_for(self, sample: Any, batch_size: int, num_microbatches: int, training: bool) -> Any:
+        key = self._key_for(sample, batch_size, num_microbatches, training)
+        rows = key[0]
         schedule = self._schedules.get(key)
         if schedule is None:
             schedule = self._build(key, rows, num_microbatches, training)
@@ -287,8 +302,8 @@ class StagePipeline:
             if metas is not None:
                 inputs, outputs = metas[index]
                 kwargs = {
-                    "input_args": (_meta_tensor(inputs, requires_grad=training and index > 0),),
-                    "output_args": (_meta_tensor(outputs, requires_grad=training),),
+                    "input_args": tuple(_meta_tensor(m, requires_grad=training and index > 0) for m in inputs),
+                    "output_args": tuple(_meta_tensor(m, requires_grad=training) for m in outputs),
                 }
             stage = ReducingStage(module, index, num_stages, self.device, group=self.group, **kwargs)
             stage.overlap = self.overlap if training else None
@@ -329,7 +344,7 @@ class StagePipeline:
             self.layout.stage_rank(s) == self.layout.stage_rank(s + 1) for s in range(self.layout.num_stages - 1)
         )
 
-    def _stage_metas(self, key: tuple, rows: int) -> dict[int, tuple[Meta, Meta]]:
+    def _stage_metas(self, key: tuple, rows: int) -> dict[int, tuple[Metas, Metas]]:
         """Input and output shape of every local stage for the schedule ``key``, microbatches of ``rows`` rows
         (see [Note: stage shapes])."""
         shape = shape_of(key)
@@ -348,12 +363,12 @@ class StagePipeline:
         self._note_boundary_bytes(metas)
         return metas
 
-    def _note_boundary_bytes(self, metas: dict[int, tuple[Meta, Meta]]) -> None:
+    def _note_boundary_bytes(self, metas: dict[int, tuple[Metas, Metas]]) -> None:
         last = self.layout.num_stages - 1
         self.boundary_bytes = {s: _nbytes(out) for s, (_, out) in metas.items() if s < last and out is not None}
         log.debug("pipeline rank %d sends per microbatch (bytes by stage): %s", self.pipeline_rank, self.boundary_bytes)
 
-    def _guess_inputs(self, shape: tuple) -> Optional[dict[int, Meta]]:
+    def _guess_inputs(self, shape: tuple) -> Optional[dict[int, Metas]]:
         """The input shapes of the local stages for ``shape``, guessed from the last shape remembered whose sizes
         map one to one onto its sizes; ``None`` (the same on every rank) when there is none to guess from."""
         if self.layout.pipeline_size == 1:
@@ -362,17 +377,17 @@ class StagePipeline:
             sizes = size_map(old, shape)
             if sizes is not None:
                 metas = self._metas[old]
-                return {s: resized(metas[s][0], sizes) for s in metas if s > 0}
+                return {s: tuple(resized(m, sizes) for m in metas[s][0]) for s in metas if s > 0}
         return None
 
-    def _probe_at_once(self, rows: int, guesses: dict[int, Meta]) -> Optional[dict[int, tuple[Meta, Meta]]]:
+    def _probe_at_once(self, rows: int, guesses: dict[int, Metas]) -> Optional[dict[int, tuple[Metas, Metas]]]:
         """Probe the local stages on the guessed inputs, all ranks at once, and check the guesses against the
         gathered outputs; ``None`` (the same on every rank) when one was wrong."""
         sample_rows = torch.arange(rows, device=self.device)
-        probed: dict[int, tuple[Meta, Optional[Meta]]] = {}
+        probed: dict[int, tuple[Metas, Optional[Metas]]] = {}
         for stage in sorted(self.stage_modules):
             if stage == 0:
-                in_meta = ((rows,), sample_rows.dtype)
+                in_meta: Optional[Metas] = (((rows,), sample_rows.dtype),)
             else:
                 in_meta = probed[stage - 1][1] if stage - 1 in probed else guesses[stage]
             try:
@@ -398,15 +413,15 @@ class StagePipeline:
                   "right" if right else "wrong, probing in order")
         return dict(probed) if right else None
 
-    def _probe_in_order(self, rows: int) -> dict[int, tuple[Meta, Meta]]:
+    def _probe_in_order(self, rows: int) -> dict[int, tuple[Metas, Metas]]:
         """Walk the stages in order: the rank owning stage ``s`` learns its output shape (:attr:`probe`) and sends
         it to the pipeline, since it is the next stage's input."""
-        metas: dict[int, tuple[Meta, Meta]] = {}
+        metas: dict[int, tuple[Metas, Metas]] = {}
         sample_rows = torch.arange(rows, device=self.device)
-        in_meta: Meta = ((rows,), sample_rows.dtype)
+        in_meta: Metas = (((rows,), sample_rows.dtype),)
         for stage in range(self.layout.num_stages):
             owner = self.layout.stage_rank(stage)
-            out_meta: Optional[Meta] = None
+            out_meta: Optional[Metas] = None
             if owner == self.pipeline_rank:
                 out_meta = self.probe(stage, sample_rows, in_meta if stage > 0 else None)
             if self.layout.pipeline_size > 1 and stage < self.layout.num_stages - 1:
@@ -439,9 +454,11 @@ def _meta_tensor(meta: Meta, requires_grad: bool) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device="meta").requires_grad_(requires_grad and dtype.is_floating_point)
 
 
-def _nbytes(meta: Meta) -> int:
-    shape, dtype = meta
-    numel = 1
-    for size in shape:
-        numel *= size
-    return numel * dtype.itemsize
+def _nbytes(metas: Metas) -> int:
+    total = 0
+    for shape, dtype in metas:
+        numel = 1
+        for size in shape:
+            numel *= size
+        total += numel * dtype.itemsize
+    return total

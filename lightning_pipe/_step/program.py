@@ -3,15 +3,17 @@
 The user's ``training_step`` (or ``validation_step``, ...) stays as it is. Every stage runs it, per microbatch, with
 the backbone's blocks swapped for runners (:class:`Runner`) that decide what each block call does:
 
-- **stage** (:meth:`StepProgram.run_stage`, inside torch's ``PipelineStage``): the code before the backbone runs for
-  real on the first stage; on the others, with the first stage's parameters as ghosts (:mod:`lightning_pipe._ghost`),
-  which makes it cheap and keeps the values it computes from the batch alone (masks, rotary tables, position ids)
-  real. Blocks before this stage's are skipped (their output is a ghost); the first of its blocks gets the activation
-  received from the previous stage; its blocks run for real, each with its own arguments; after its last block the
-  step stops and that block's hidden state is the stage's output.
-- **answer** (:meth:`StepProgram.run_answering`, the last stage's loss in training, and evaluation): the code before
-  the backbone runs on ghosts, every block is skipped, the last block returns the stage output, and the code after
-  the backbone (final norm, head, loss, ``self.log``, metrics) runs for real.
+- **stage** (:meth:`StepProgram.run_stage`, inside torch's ``PipelineStage``): the stage's *window* runs for real:
+  the code from the end of the block before its first (the code between two containers included), its blocks, and
+  the code between them. Before the window everything runs on ghosts (:mod:`lightning_pipe._ghost`): the parameters
+  of other stages, and those this rank holds that earlier code reads, are ghosts, blocks before the window are
+  skipped, which makes it cheap and keeps the values computed from the batch alone (masks, rotary tables, position
+  ids) real. What the previous stage sent takes the place of its producers' outputs (a skipped block's, a
+  module's), so the user's code carries each value to where it is used ([Note: stage boundaries]). After the
+  window's last block the step stops, and the values the next stage needs are the stage's output.
+- **answer** (:meth:`StepProgram.run_answering`, the last stage's loss in training, and evaluation): the same with
+  the code after the backbone as the window: every block is skipped, the values the last stage output take their
+  producers' places, and the code after the backbone (final norm, head, loss, ``self.log``, metrics) runs for real.
 - **capture** (:meth:`~lightning_pipe._model.calls.BlockRunners.batch_size_of`): the code before the backbone runs on
   ghosts until the first block call, whose hidden state gives the batch size.
 
@@ -28,11 +30,13 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
-from lightning_pipe._errors import BackboneCallError, argument_not_on_stage
+from lightning_pipe._errors import BackboneCallError
 from lightning_pipe._ghost import Ghost, contains_ghost, ghost_of
 from lightning_pipe._model.backbone import Backbone
+from lightning_pipe._model.flow import Flow, Producer
 from lightning_pipe._model.calls import (
     BlockCalls,
     BlockRunners,
@@ -53,9 +57,10 @@ class StepProgram(BlockRunners):
         module: the LightningModule (split).
         backbone: its backbone.
         structure: what the setup learned about the step's block calls.
+        flow: what each stage boundary carries ([Note: stage boundaries]).
         stage_bounds: ``{stage: (first block, last block + 1)}`` for this rank's stages.
-        prefix_swaps: the parameters and buffers this rank holds that the code before the backbone uses: they are
-            ghosts while that code runs anywhere but in the first stage's run.
+        swaps: ``{stage or "answer": [(owner, name, kind)]}``: the parameters this rank holds that the code before
+            that run's window reads; they are ghosts until the window starts.
         device: this rank's device.
         checkpointed: which blocks run under activation checkpointing.
     """
@@ -65,12 +70,14 @@ class StepProgram(BlockRunners):
         module: nn.Module,
         backbone: Backbone,
         structure: Structure,
+        flow: Flow,
         stage_bounds: dict[int, tuple[int, int]],
-        prefix_swaps: Sequence[tuple[nn.Module, str, str]],
+        swaps: dict[Any, Sequence[tuple[nn.Module, str, str]]],
         device: torch.device,
         checkpointed: Callable[[nn.Module], bool] = lambda block: False,
     ) -> None:
-        super().__init__(module, backbone, structure, device, prefix_swaps)
+        super().__init__(module, backbone, structure, device, swaps)
+        self.flow = flow
         self.stage_bounds = stage_bounds
         self.checkpointed = checkpointed
         self.step: Optional[Callable[..., Any]] = None
@@ -99,23 +106,31 @@ class StepProgram(BlockRunners):
         return slice_batch(self.batch, self.batch_size, start, stop)
 
     # ------------------------------------------------------------------------------------------------ the modes
-    def run_stage(self, stage: int, rows: Tensor, received: Optional[Tensor], probing: bool = False) -> Tensor:
-        """This rank's ``stage`` on the microbatch ``rows`` of the current batch: its blocks' hidden state.
+    def run_stage(
+        self, stage: int, rows: Tensor, received: Sequence[Tensor] = (), probing: bool = False
+    ) -> tuple[Tensor, ...]:
+        """This rank's ``stage`` on the microbatch ``rows`` of the current batch, given what the previous stage
+        sent: what it sends on (for the last stage, what the code after the backbone reads).
 
         ``probing``: the run is on ghosts, to learn shapes (block arguments may then be ghosts too)."""
         assert self.step is not None
-        run = _Stage(self, stage, received, probing)
-        with self.running(run, ghost_prefix=received is not None or stage > 0):
+        first, stop = self.stage_bounds[stage]
+        given = dict(zip(self.flow.receives(stage), received))
+        run = _Window(self, first, stop, given, self.flow.sends[stage], probing, stage)
+        with self.running(run, swaps=stage):
             try:
                 call_muted(self.module, self.step, (self.sub_batch(rows), *self.step_args), self.step_kwargs)
-            except Stop as stop:
-                return stop.value
+            except Stop as stop_run:
+                return stop_run.value
         raise never_called(run)
 
     def run_answering(self, output: Any, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """The whole step, with the backbone's result taken from ``output``; returns what the step returns."""
-        run = _Answer(self, output)
-        with self.running(run, ghost_prefix=True):
+        """The whole step, with the values the code after the backbone reads taken from ``output`` (the last stage's
+        output: a tensor, or a tuple of them); returns what the step returns."""
+        outputs = output if isinstance(output, tuple) else (output,)
+        n = len(self.backbone)
+        run = _Window(self, n, n, dict(zip(self.flow.answers, outputs)), (), False, None)
+        with self.running(run, swaps="answer"):
             result = step(*args, **kwargs)
         if not run.after_backbone:
             raise never_called(run)
@@ -127,51 +142,103 @@ class StepProgram(BlockRunners):
         return block(*args, **kwargs)
 
 
-class _Stage(BlockCalls):
-    def __init__(self, program: StepProgram, stage: int, received: Optional[Tensor], probing: bool) -> None:
+class _Window(BlockCalls):
+    """A run whose *window* (blocks ``first .. stop - 1`` and the code from the end of block ``first - 1``) is
+    real: the values ``given`` take the place of their producers' outputs before it, and the values in ``send`` are
+    collected in it; the run stops after block ``stop - 1`` with them, or (``first == stop == n``, the code after
+    the backbone) runs to the end."""
+
+    def __init__(
+        self, program: StepProgram, first: int, stop: int, given: dict[Producer, Tensor],
+        send: tuple[Producer, ...], probing: bool, stage: Optional[int],
+    ) -> None:
         super().__init__(program)
-        self.stage = stage
-        self.first, self.stop = program.stage_bounds[stage]
-        self.received = received
+        self.first, self.stop = first, stop
+        self.given = given
+        self.send = send
+        self.wanted = set(send)
+        self.found: dict[Producer, Tensor] = {}
         self.probing = probing
+        self.stage = stage
 
     def on_block(self, index: int, block: nn.Module, args: tuple, kwargs: dict, at: HiddenAt, hidden: Any) -> Any:
         program = self.program
         if index < self.first:
-            return program.output_like(index, hidden)
-        if index == self.first and self.received is not None:
-            args, kwargs = replace_hidden(args, kwargs, at, self.received)
-        elif index == self.first and self.probing and not isinstance(hidden, Ghost):
+            out = program.skipped_output(index, args, kwargs, hidden, self.given)
+            if self.wanted:
+                self._collect_block(index, out)
+            if index == self.first - 1 and self.restore_prefix is not None:
+                self.restore_prefix()  # the window starts: this run's code reads the real tensors from here
+            return out
+        if index == self.first and self.probing and not isinstance(hidden, Ghost):
             args, kwargs = replace_hidden(args, kwargs, at, ghost_of(hidden))  # no real data reaches a block
-        if not self.probing and contains_ghost(replace_hidden(args, kwargs, at, None)):
-            raise _ghost_argument(program.backbone.blocks[index].name, args, kwargs, at, self.stage)
-        out = program.run_block(index, block, args, kwargs)
+        if not self.probing and contains_ghost((args, kwargs)):
+            raise _ghost_argument(program.backbone.blocks[index].name, args, kwargs, self.stage)
+        self.in_block = True
+        try:
+            out = program.run_block(index, block, args, kwargs)
+        finally:
+            self.in_block = False
+        if self.wanted:
+            self._collect_block(index, out)
         if index == self.stop - 1:
-            raise Stop(program.hidden_of(index, out))
+            raise Stop(self._outputs())
         return out
 
+    def on_module_output(self, path: str, call: int, output: Any) -> Any:
+        leaves, spec = tree_flatten(output)
+        changed = False
+        for i, leaf in enumerate(leaves):
+            producer = ("module", path, call, i)
+            value = self.given.get(producer)
+            if value is not None:
+                leaves[i], changed = value, True
+            if producer in self.wanted:
+                self.found[producer] = leaves[i]
+        return tree_unflatten(leaves, spec) if changed else None
 
-class _Answer(BlockCalls):
-    def __init__(self, program: StepProgram, output: Any) -> None:
-        super().__init__(program)
-        self.output = output
+    def _collect_block(self, index: int, out: Any) -> None:
+        for i, leaf in enumerate(tree_leaves(out)):
+            producer = ("block", index, 0, i)
+            if producer in self.wanted:
+                self.found[producer] = leaf
 
-    def on_block(self, index: int, block: nn.Module, args: tuple, kwargs: dict, at: HiddenAt, hidden: Any) -> Any:
-        if index < len(self.program.backbone) - 1:
-            return self.program.output_like(index, hidden)
-        return self.program.output_like(index, self.output)
+    def _outputs(self) -> tuple[Tensor, ...]:
+        sent = []
+        for producer in self.send:
+            value = self.found.get(producer)
+            if value is None:
+                raise BackboneCallError(
+                    f"Stage {self.stage} did not produce {self.program.flow.names[producer]}, which the setup saw the"
+                    " step compute and a later stage uses: the step runs differently from the setup's run (its"
+                    " control flow depends on the batch's values, or on the stage). Make the step call the same"
+                    " modules and blocks for every batch."
+                )
+            sent.append(_HandOver.apply(value) if value.requires_grad else value)
+        return tuple(sent)
 
-    def on_backbone_end(self) -> None:
-        if self.restore_prefix is not None:  # the code after the backbone reads the real tensors (e.g. a tied head)
-            self.restore_prefix()
-            self.restore_prefix = None
+
+class _HandOver(torch.autograd.Function):
+    """The identity, as a new tensor over the same memory that is not a view. torch's zero-bubble schedules detach
+    a stage's outputs in place once their input gradients are computed; a value the stage also uses itself (a
+    block's output that a later block of the stage reads, a received value passed on) must stay attached for the
+    weight gradients, and a view cannot be detached in place."""
+
+    @staticmethod
+    def forward(ctx: Any, value: Tensor) -> Tensor:
+        return value.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        return grad
 
 
 
-def _ghost_argument(block: str, args: tuple, kwargs: dict, at: HiddenAt, stage: int) -> BackboneCallError:
-    named = [f"positional argument {i}" for i, a in enumerate(args) if contains_ghost(a) and ("arg", i) != at]
-    named += [f"`{k}`" for k, v in kwargs.items() if contains_ghost(v) and ("kwarg", k) != at]
-    return BackboneCallError(argument_not_on_stage(
-        block, stage, f"its {', '.join(named) or 'arguments'} depend on values only the first stage computes (from its"
-        " parameters, e.g. the embedding's output)"
-    ))
+def _ghost_argument(block: str, args: tuple, kwargs: dict, stage: Optional[int]) -> BackboneCallError:
+    named = [f"positional argument {i}" for i, a in enumerate(args) if contains_ghost(a)]
+    named += [f"`{k}`" for k, v in kwargs.items() if contains_ghost(v)]
+    return BackboneCallError(
+        f"Block `{block}` runs on stage {stage}, but its {', '.join(named) or 'arguments'} depend on values this stage"
+        " neither computes nor receives (computed from parameters by code the setup did not see run, e.g. only for"
+        " some batches). Compute block arguments the same way for every batch, from the batch, blocks and modules."
+    )

@@ -124,7 +124,7 @@ class PipelineRuntime:
         rank = dist.get_rank(pp_group)
         bounds = {s: layout.bounds[s] for s in layout.rank_stages(rank)}
         self.program = StepProgram(
-            module, cut.backbone, cut.structure, bounds, cut.prefix_swaps(rank), device, checkpointed
+            module, cut.backbone, cut.structure, cut.flow, bounds, cut.window_swaps(rank), device, checkpointed
         )
         if sharding is None:
             stage_modules = {s: StageModule(self.program, s, cut.stage_parameters(s)) for s in bounds}
@@ -177,7 +177,7 @@ class PipelineRuntime:
             recorder.start(len(rows))
             # A view: zero-bubble schedules detach the stage output in place between the input and the weight
             # gradients, and the weight gradients of the head after the backbone need what the head saw.
-            output = output.view_as(output)
+            output = tuple(t.view_as(t) for t in output) if isinstance(output, tuple) else output.view_as(output)
             with recorder.installed(module), weighing.observing() as observer:
                 result = program.run_answering(output, step, program.sub_batch(rows), *rest, **kwargs)
             loss = loss_of(result)
@@ -188,7 +188,8 @@ class PipelineRuntime:
                 recorder.weigh_loss(loss, weight)
             loss = whole(loss)  # a `loss_parallel` loss as the plain tensor every tensor rank holds
             # A microbatch that weighs nothing back-propagates an exact zero (its mean may be 0 / 0).
-            loss = loss * (factor * grad_scale) if factor else output.sum() * 0.0
+            first = output[0] if isinstance(output, tuple) else output
+            loss = loss * (factor * grad_scale) if factor else first.sum() * 0.0
             return self.amp_scaler.scale(loss) if self.amp_scaler is not None else loss
 
         tracer = self._timeline_recorder()
@@ -280,28 +281,28 @@ class PipelineRuntime:
             self.sharding.reshard()
 
     def _probe(self, stage: int, rows: Tensor, received: Optional[tuple]) -> tuple:
-        """The output ``(shape, dtype)`` of ``stage`` on the microbatch ``rows``, for an input of ``received``'s.
+        """The outputs' ``(shape, dtype)`` of ``stage`` on the microbatch ``rows``, for inputs of ``received``'s.
 
         The stage runs on ghosts: no compute, nothing changes (buffers, random state, metrics). A stage that cannot
         (a block with value-dependent shapes) runs once for real on a zero input, without gradients, and everything
         it touched is put back."""
         module, program = self.module, self.program
-        ghost_in = None
-        if received is not None:
-            ghost_in = Ghost(torch.empty(received[0], dtype=received[1], device="meta"), self.device)
+        ghost_in = tuple(
+            Ghost(torch.empty(shape, dtype=dtype, device="meta"), self.device) for shape, dtype in received or ()
+        )
         dtypes = self.sharding.compute_dtypes() if self.sharding is not None else None
         if not self.cut.parallelism.tensor_parallel:  # DTensor's hooks and ops cannot run on ghosts: probed for real
             with torch.no_grad(), everything_ghosted(module, self.device, dtypes), \
                     metrics_set_aside(module_metrics(module)), fsdp_hooks_suspended(module):
                 try:
                     out = program.run_stage(stage, rows, ghost_in, probing=True)
-                    return tuple(out.shape), out.dtype
+                    return tuple((tuple(t.shape), t.dtype) for t in out)
                 except (GhostValueError, NotImplementedError, RuntimeError) as err:
                     log.debug("stage %d does not run on ghosts (%s): measuring its shapes for real", stage, err)
-        real_in = None if received is None else torch.zeros(received[0], dtype=received[1], device=self.device)
+        real_in = tuple(torch.zeros(shape, dtype=dtype, device=self.device) for shape, dtype in received or ())
         with torch.no_grad(), untouched(module, self.device):
             out = program.run_stage(stage, rows, real_in)
-            return tuple(out.shape), out.dtype
+            return tuple((tuple(t.shape), t.dtype) for t in out)
 
     def _check_trainable(self) -> None:
         """At the first batch of each epoch (callbacks freeze, unfreeze and add parameter groups at epoch starts): if

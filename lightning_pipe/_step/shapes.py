@@ -31,6 +31,8 @@ import torch
 
 #: A tensor's ``(shape, dtype)``: what a stage receives or returns, for one microbatch.
 Meta = tuple[tuple[int, ...], torch.dtype]
+#: What a stage boundary carries for one microbatch: one :data:`Meta` per tensor ([Note: stage boundaries]).
+Metas = tuple[Meta, ...]
 
 
 #: Schedules a pipeline keeps (:class:`ScheduleCache`). Four holds the steady set of a fixed-length run without a
