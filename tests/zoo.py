@@ -168,6 +168,60 @@ class HFFineTuned(HFCausalLM):
         return self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.argmax(-1)
 
 
+class DemoLM(Lit):
+    """Lightning's demo language model as ``examples/pytorch/basics/transformer.py`` trains it: an ``nn.Transformer``
+    (encoder layers, then decoder layers that cross-attend to the encoder's normed output), ``nll_loss`` on its
+    log-probabilities; dropout 0."""
+
+    def __init__(self, layers: int = 2, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        from lightning.pytorch.demos import Transformer
+
+        self.model = Transformer(vocab_size=VOCAB, ninp=DIM, nhead=HEADS, nhid=2 * DIM, nlayers=layers, dropout=0.0)
+
+    def loss(self, batch: Any) -> torch.Tensor:
+        inputs, target, _ = batch
+        return F.nll_loss(self.model(inputs, target), target.view(-1))
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        inputs, target, _ = batch
+        return self.model(inputs, target).argmax(-1)
+
+
+class HFSeq2Seq(Lit):
+    """Hugging Face T5 (or BART) as shipped, trained on padded batches: the targets are the inputs (a copy task),
+    padded with ``-100``."""
+
+    def __init__(self, family: str = "t5", layers: int = 2, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        if family == "t5":
+            from transformers import T5Config, T5ForConditionalGeneration
+
+            config = T5Config(
+                vocab_size=VOCAB, d_model=DIM, d_kv=DIM // HEADS, d_ff=2 * DIM, num_layers=layers,
+                num_decoder_layers=layers, num_heads=HEADS, dropout_rate=0.0, decoder_start_token_id=0,
+                pad_token_id=0, relative_attention_num_buckets=8,
+            )
+            self.model = T5ForConditionalGeneration(config)
+        else:
+            from transformers import BartConfig, BartForConditionalGeneration
+
+            config = BartConfig(
+                vocab_size=VOCAB, d_model=DIM, encoder_layers=layers, decoder_layers=layers,
+                encoder_attention_heads=HEADS, decoder_attention_heads=HEADS, encoder_ffn_dim=2 * DIM,
+                decoder_ffn_dim=2 * DIM, max_position_embeddings=64, dropout=0.0, attention_dropout=0.0,
+                activation_dropout=0.0, pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=2,
+                forced_eos_token_id=None,
+            )
+            self.model = BartForConditionalGeneration(config)
+
+    def loss(self, batch: Any) -> torch.Tensor:
+        return self.model(**batch).loss
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.model(**batch).logits.argmax(-1)
+
+
 class MaskedLoss(Lit):
     """A hand-written causal LM whose loss is a sum over the tokens with a label, divided by ``mask.sum()``.
 
@@ -736,6 +790,9 @@ ZOO = {
     "hf_llama_ft": lambda **kw: HFFineTuned("llama", **kw),
     "hf_gpt2_ft": lambda **kw: HFFineTuned("gpt2", **kw),
     "masked": MaskedLoss,
+    "demo_lm": DemoLM,
+    "t5": lambda **kw: HFSeq2Seq("t5", **kw),
+    "bart": lambda **kw: HFSeq2Seq("bart", **kw),
     "nanogpt": LitNanoGPT,
     "vit": LitVit,
     "resnet": LitResNet,

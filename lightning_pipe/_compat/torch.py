@@ -433,3 +433,71 @@ def ghost_safe_init() -> Iterator[None]:
         yield
     finally:
         init.trunc_normal_ = original  # type: ignore[assignment]
+
+
+@contextmanager
+def weight_gradients_keep_graph() -> Iterator[None]:
+    """Zero-bubble schedules split a stage's backward: the input gradient first, keeping the gradients at the
+    autograd nodes where the weights' paths meet the inputs' (``param_groups``), then each group's weight gradient,
+    one ``autograd.grad`` per group (torch's ``stage_backward_weight``) without retaining the graph. A group's pass
+    can run through another group's node: a decoder's first block, whose self-attention sees only weights (the
+    embedding), meets the encoder's output in its cross-attention, and the gradient to the query's weights runs
+    from the residual sum back through the cross-attention's output projection, whose own group comes later and
+    finds that node's saved tensors freed ("Trying to backward through the graph a second time"). Each group's
+    nodes clamp the gradient they pass to the one saved for them, so no gradient is counted twice; keeping the
+    graph until the last group is done changes no value, and the graph is freed with the groups after the pass.
+    Within the block, ``stage_backward_weight`` keeps the graph."""
+    from torch.distributed.pipelining import stage as _stage
+
+    original = _stage.stage_backward_weight
+
+    def keeping(weights: Any, param_groups: Any, retain_graph: bool = False) -> Any:
+        return original(weights, param_groups, retain_graph=True)
+
+    _stage.stage_backward_weight = keeping
+    try:
+        yield
+    finally:
+        _stage.stage_backward_weight = original
+
+
+@contextmanager
+def merged_param_groups() -> Iterator[None]:
+    """torch's ``_backward.get_param_groups`` (what the zero-bubble input pass keeps for the weight pass) merges a
+    weight's group with the groups it meets one after the other, leaving the first one behind: a weight that meets
+    several groups (a tied embedding, read by a decoder's embedding and by the head) ends up in two groups, and its
+    gradient through the node they share is counted twice. Within the block, groups that share a weight or a node
+    are merged transitively (union-find), so every weight and every node is in exactly one group."""
+    from torch.distributed.pipelining import _backward
+
+    original = _backward.get_param_groups
+
+    def merged(inputs: Any, params: Any, reverse_edges_dict: Any) -> list[dict[str, Any]]:
+        return _merge_groups(original(inputs, params, reverse_edges_dict))
+
+    _backward.get_param_groups = merged
+    try:
+        yield
+    finally:
+        _backward.get_param_groups = original
+
+
+def _merge_groups(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    parent = list(range(len(groups)))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    owner: dict[Any, int] = {}
+    for i, group in enumerate(groups):
+        for node in (*group["params"], *group["intermediates"]):
+            parent[root(i)] = root(owner.setdefault(node, i))
+    merged: dict[int, dict[str, Any]] = {}
+    for i, group in enumerate(groups):
+        into = merged.setdefault(root(i), {"params": set(), "intermediates": set()})
+        into["params"] |= set(group["params"])
+        into["intermediates"] |= set(group["intermediates"])
+    return list(merged.values())

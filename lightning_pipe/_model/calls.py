@@ -46,6 +46,7 @@ class BlockIO:
     arg_shapes: tuple[tuple[int, ...], ...]
     out_spec: Any
     out_leaves: tuple[Any, ...]
+    passed: dict[int, int]  # output leaf -> the argument leaf it is (a block returning what it was given)
 
 
 @dataclass
@@ -240,11 +241,14 @@ class BlockRunners:
         io = self.structure.block_io[index]
         if io is None:
             return self.output_like(index, hidden)
-        shapes = [tuple(t.shape) for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
+        arg_leaves = tree_leaves((args, kwargs))
+        shapes = [tuple(t.shape) for t in arg_leaves if isinstance(t, Tensor)]
         sizes = _size_map(io.arg_shapes, shapes)
         leaves = []
         for i, leaf in enumerate(io.out_leaves):
             value = given.get(("block", index, 0, i))
+            if value is None and i in io.passed:
+                value = arg_leaves[io.passed[i]]
             if value is None and isinstance(leaf, Tensor):
                 shape = tuple(leaf.shape) if sizes is None else tuple(sizes.get(d, d) for d in leaf.shape)
                 if isinstance(hidden, Ghost) and tuple(hidden.shape) == shape and hidden.dtype == leaf.dtype:

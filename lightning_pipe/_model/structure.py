@@ -113,12 +113,12 @@ class _Analysis(BlockCalls):
         self.param_names: dict[int, str] = {}
         self.module_names = {id(m): name for name, m in module.named_modules() if name}
         self.started = False
-        self.kept: dict[int, Ghost] = {}  # every ghost seen, so that its id is not reused
+        self.kept: dict[int, Tensor] = {}  # every ghost (and block output) seen, so that its id is not reused
         self.producers: dict[int, tuple[Producer, int]] = {}  # id(ghost) -> (producer, position)
         self.derived: dict[int, tuple[int, list[int], list[int], str]] = {}  # id -> (position, inputs, params, op)
         self.uses: dict[int, set[int]] = {}  # id(ghost) -> positions that use it
 
-    def _keep(self, ghost: Ghost) -> int:
+    def _keep(self, ghost: Tensor) -> int:
         self.kept[id(ghost)] = ghost
         return id(ghost)
 
@@ -195,7 +195,8 @@ class _Analysis(BlockCalls):
             )
         position = block_position(index)
         for leaf in tree_leaves((args, kwargs)):
-            if isinstance(leaf, Ghost) and id(leaf) not in self.ghost_params:
+            ghostly = isinstance(leaf, Ghost) and id(leaf) not in self.ghost_params
+            if ghostly or (isinstance(leaf, Tensor) and id(leaf) in self.producers):  # a block's real output too
                 self.uses.setdefault(self._keep(leaf), set()).add(position)
         if not isinstance(hidden, Ghost):  # no real data reaches a block: it computes nothing here
             args, kwargs = replace_hidden(args, kwargs, at, ghost_of(hidden, self.device))
@@ -212,11 +213,17 @@ class _Analysis(BlockCalls):
             self.in_block = False
         self.structure.outputs[index] = _output_kind(backbone.blocks[index].name, out)
         leaves, spec = tree_flatten(out)
+        given = {id(leaf): k for k, leaf in enumerate(tree_leaves((args, kwargs))) if isinstance(leaf, Tensor)}
+        passed = {i: given[id(leaf)] for i, leaf in enumerate(leaves) if id(leaf) in given}
         for i, leaf in enumerate(leaves):
-            if isinstance(leaf, Ghost) and (id(leaf) not in self.producers or id(leaf) in self.derived):
+            # What the block computes (a real tensor too, e.g. T5's cross-attention bias from the mask: a skipped
+            # block cannot give it), unless it returns what it was given.
+            if isinstance(leaf, Tensor) and i not in passed and id(leaf) not in self.ghost_params and (
+                id(leaf) not in self.producers or id(leaf) in self.derived
+            ):
                 self.producers[self._keep(leaf)] = (("block", index, 0, i), position)
         self.structure.block_io[index] = BlockIO(
-            shapes, spec, tuple(_meta(leaf) if isinstance(leaf, Tensor) else leaf for leaf in leaves)
+            shapes, spec, tuple(_meta(leaf) if isinstance(leaf, Tensor) else leaf for leaf in leaves), passed
         )
         return out
 

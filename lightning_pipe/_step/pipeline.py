@@ -37,7 +37,7 @@ from torch.distributed.pipelining.schedules import (
 from torch.utils._pytree import tree_leaves
 
 from lightning_pipe import _watchdog
-from lightning_pipe._compat.torch import keep_forward_actions
+from lightning_pipe._compat.torch import keep_forward_actions, merged_param_groups, weight_gradients_keep_graph
 from lightning_pipe._step.last_backward import ReductionOverlap
 from lightning_pipe._step.program import StepProgram
 from lightning_pipe._step.shapes import (
@@ -86,6 +86,9 @@ class StageModule(nn.Module):
         return super().parameters(recurse)
 
     def forward(self, *inputs: torch.Tensor, lp_rows: torch.Tensor) -> Any:
+        for received in inputs if self.stage > 0 else ():
+            if received.requires_grad:  # torch sends the gradient as computed: a broadcast value's may be strided
+                received.register_hook(_contiguous)
         out = self._program.run_stage(self.stage, lp_rows, inputs if self.stage > 0 else ())
         return out[0] if len(out) == 1 else out
 
@@ -104,6 +107,13 @@ class ReducingStage(PipelineStage):
         return self._backward(backward_type, bwd_kwargs, *args, **kwargs)
 
     def _backward(self, backward_type: Any, bwd_kwargs: dict, *args: Any, **kwargs: Any) -> Any:
+        if backward_type in ("input", "weight"):  # torch's zero-bubble split, corrected (see _compat.torch)
+            fix = merged_param_groups() if backward_type == "input" else weight_gradients_keep_graph()
+            with fix:
+                return self._backward_now(backward_type, bwd_kwargs, *args, **kwargs)
+        return self._backward_now(backward_type, bwd_kwargs, *args, **kwargs)
+
+    def _backward_now(self, backward_type: Any, bwd_kwargs: dict, *args: Any, **kwargs: Any) -> Any:
         last = kwargs.get("last_backward", args[0] if args else False)
         if self.overlap is None or not last or backward_type != "full":
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, *args, **kwargs)
@@ -439,6 +449,10 @@ class StagePipeline:
             if out_meta is not None:
                 in_meta = out_meta
         return metas
+
+
+def _contiguous(grad: torch.Tensor) -> torch.Tensor:
+    return grad.contiguous()
 
 
 def _construct(cls: type, stages: list, n: int, loss_fn: Optional[Callable], multi: bool) -> Any:

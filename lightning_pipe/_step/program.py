@@ -214,7 +214,7 @@ class _Window(BlockCalls):
                     " control flow depends on the batch's values, or on the stage). Make the step call the same"
                     " modules and blocks for every batch."
                 )
-            sent.append(_HandOver.apply(value) if value.requires_grad else value)
+            sent.append(_HandOver.apply(value) if value.requires_grad else value.contiguous())
         return tuple(sent)
 
 
@@ -226,7 +226,7 @@ class _HandOver(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, value: Tensor) -> Tensor:
-        return value.detach()
+        return value.detach().contiguous()  # sent as it is: a broadcast value (T5's position bias) may be strided
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Tensor:
