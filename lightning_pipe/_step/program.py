@@ -204,6 +204,7 @@ class _Window(BlockCalls):
                 self.found[producer] = leaf
 
     def _outputs(self) -> tuple[Tensor, ...]:
+        anchor = next((t for t in self.given.values() if t.requires_grad), None)
         sent = []
         for producer in self.send:
             value = self.found.get(producer)
@@ -214,23 +215,30 @@ class _Window(BlockCalls):
                     " control flow depends on the batch's values, or on the stage). Make the step call the same"
                     " modules and blocks for every batch."
                 )
-            sent.append(_HandOver.apply(value) if value.requires_grad else value.contiguous())
+            sent.append(_HandOver.apply(value, anchor) if value.requires_grad else value.contiguous())
         return tuple(sent)
 
 
 class _HandOver(torch.autograd.Function):
-    """The identity, as a new tensor over the same memory that is not a view. torch's zero-bubble schedules detach
-    a stage's outputs in place once their input gradients are computed; a value the stage also uses itself (a
-    block's output that a later block of the stage reads, a received value passed on) must stay attached for the
-    weight gradients, and a view cannot be detached in place."""
+    """``value`` as the stage sends it, for torch's zero-bubble schedules, which split the backward into input and
+    weight gradients:
+
+    - a new tensor over the same memory that is not a view: torch detaches a stage's outputs in place once their
+      input gradients are computed, and a value the stage also uses itself (a block's output that a later block of
+      the stage reads, a received value passed on) must stay attached for the weight gradients; a view cannot be
+      detached in place;
+    - attached to ``anchor``, one of the stage's inputs (no gradient flows to it): torch keeps, for the weight pass,
+      the gradients at the nodes where the weights' paths meet the inputs'. A value only weights compute (T5's
+      relative position bias, sent to the blocks of the next stage) meets no input, so the gradient the next stage
+      sends back for it would reach no weight; through this node, it does."""
 
     @staticmethod
-    def forward(ctx: Any, value: Tensor) -> Tensor:
+    def forward(ctx: Any, value: Tensor, anchor: Optional[Tensor]) -> Tensor:
         return value.detach().contiguous()  # sent as it is: a broadcast value (T5's position bias) may be strided
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> Tensor:
-        return grad
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return grad, None
 
 
 
