@@ -46,6 +46,16 @@ def images(n: int = 32, seed: int = 0, size: int = 16, classes: int = 10) -> Ten
     return TensorDataset(torch.randn(n, 3, size, size, generator=g), torch.randint(0, classes, (n,), generator=g))
 
 
+def latents(n: int = 32, seed: int = 0, tokens: int = 16, channels: int = 8) -> TensorDataset:
+    """Diffusion training rows: packed image latents, text embeddings and their pooled vector, a timestep in (0, 1)
+    and the noise (drawn here, so that every run sees the same)."""
+    g = torch.Generator().manual_seed(seed)
+    return TensorDataset(
+        torch.randn(n, tokens, channels, generator=g), torch.randn(n, 4, 16, generator=g),
+        torch.randn(n, 8, generator=g), torch.rand(n, generator=g), torch.randn(n, tokens, channels, generator=g),
+    )
+
+
 def finetuning(n: int = 32, seed: int = 0, kind: str = "padded") -> list[dict[str, torch.Tensor]]:
     """Rows as LLM fine-tuning has them, for :func:`pad_collate`: ``input_ids`` and ``labels`` (``-100`` where no
     loss is taken).
@@ -92,6 +102,8 @@ def loader(
     if kind is not None:
         collate = functools.partial(pad_collate, multiple_of=multiple_of)
         return DataLoader(finetuning(n, seed, kind), batch_size=batch_size, collate_fn=collate)
+    if name == "flux":
+        return DataLoader(latents(n, seed), batch_size=batch_size)
     data = images(n, seed) if name in ("vit", "resnet") else tokens(n, seed, pad=name == "rope")
     return DataLoader(data, batch_size=batch_size)
 
@@ -220,6 +232,41 @@ class HFSeq2Seq(Lit):
 
     def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         return self.model(**batch).logits.argmax(-1)
+
+
+class Flux(Lit):
+    """diffusers' Flux transformer as shipped (tiny config, random weights), trained by flow matching: double-stream
+    blocks carry two states, the image's and the text's, into single-stream blocks; every block and the final norm
+    take ``temb`` from the time and text embedders."""
+
+    def __init__(self, layers: int = 2, single_layers: int = 2, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        from diffusers import FluxTransformer2DModel
+
+        self.model = FluxTransformer2DModel(
+            patch_size=1, in_channels=8, num_layers=layers, num_single_layers=single_layers, attention_head_dim=8,
+            num_attention_heads=2, joint_attention_dim=16, pooled_projection_dim=8, axes_dims_rope=(2, 2, 4),
+        )
+        side = torch.arange(4)
+        self.register_buffer("img_ids", torch.stack([torch.zeros(16), side.repeat(4), side.repeat_interleave(4)], 1),
+                             persistent=False)
+        self.register_buffer("txt_ids", torch.zeros(4, 3), persistent=False)
+
+    def predict(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        x0, text, pooled, t, noise = batch
+        noisy = (1 - t[:, None, None]) * x0 + t[:, None, None] * noise
+        out = self.model(
+            hidden_states=noisy, encoder_hidden_states=text, pooled_projections=pooled, timestep=t,
+            img_ids=self.img_ids, txt_ids=self.txt_ids, return_dict=False,
+        )[0]
+        return out, noise - x0
+
+    def loss(self, batch: Any) -> torch.Tensor:
+        out, target = self.predict(batch)
+        return F.mse_loss(out, target)
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.predict(batch)[0]
 
 
 class MaskedLoss(Lit):
@@ -793,6 +840,7 @@ ZOO = {
     "demo_lm": DemoLM,
     "t5": lambda **kw: HFSeq2Seq("t5", **kw),
     "bart": lambda **kw: HFSeq2Seq("bart", **kw),
+    "flux": Flux,
     "nanogpt": LitNanoGPT,
     "vit": LitVit,
     "resnet": LitResNet,

@@ -59,11 +59,11 @@ def analyze(
     """Run ``step(*args)`` once on ghosts, in training or evaluation mode, and learn its :class:`Structure`."""
     params = {id(p): p for _, p in module.named_parameters(remove_duplicate=False)}
     run = _Analysis(module, backbone, device)
+    run.param_names = {id(p): name for name, p in module.named_parameters()}
     modes = [(m, m.training) for m in module.modules()]
     module.train(training)
     with everything_ghosted(module, device) as ghosts, metrics_set_aside(module_metrics(module)), torch.no_grad():
         run.ghost_params = {id(g): pid for pid, g in ghosts.items() if pid in params}
-        run.param_names = {pid: name for name, p in module.named_parameters() for pid in [id(p)]}
         previous = _ghost.observer
         pre = nn.modules.module.register_module_forward_pre_hook(run.module_called)
         post = nn.modules.module.register_module_forward_hook(run.module_returned)
