@@ -39,7 +39,9 @@ class ScaledBlock(torch.nn.Module):
 
 
 class ParameterArguments(models.TinyLM):
-    """Every block gets a scale computed from the embedding's output: a later stage cannot compute it."""
+    """Every block gets a scale that plain tensor code computes from the embedding's output and a parameter read
+    directly: a later stage could receive the embedding's output, but not compute the scale from it without the
+    parameter."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -47,11 +49,12 @@ class ParameterArguments(models.TinyLM):
         self.decoder = torch.nn.Module()
         self.decoder.layers = torch.nn.ModuleList([ScaledBlock() for _ in range(4)])
         self.head = torch.nn.Linear(models.DIM, models.VOCAB)
+        self.gain = torch.nn.Parameter(torch.ones(()))
         del self.backbone
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.embed(x)
-        scale = h.mean().sigmoid()
+        scale = (h.mean() * self.gain).sigmoid()
         for layer in self.decoder.layers:
             h = layer(h, scale)
         return self.head(h)
