@@ -57,6 +57,7 @@ from lightning_pipe.schedules import ScheduleSpec
 from lightning_pipe.timeline import TimelineRecorder
 
 log = logging.getLogger(__name__)
+shown = logging.getLogger("lightning.pytorch.lightning_pipe")  # printed on every rank, as Lightning's own messages
 #: ``probe(stage, rows, received) -> output``: a stage's output shapes for its input shapes, leaving no trace.
 Probe = Callable[[int, torch.Tensor, Optional[Metas]], Metas]
 
@@ -375,7 +376,14 @@ class StagePipeline:
 
     def _note_boundary_bytes(self, metas: dict[int, tuple[Metas, Metas]]) -> None:
         last = self.layout.num_stages - 1
+        first_time = not self.boundary_bytes
         self.boundary_bytes = {s: _nbytes(out) for s, (_, out) in metas.items() if s < last and out is not None}
+        parts = [
+            f"stage {s} sends {self.boundary_bytes[s]:,} bytes in {len(out)} tensor(s) {[list(m[0]) for m in out]}"
+            for s, (_, out) in sorted(metas.items()) if s in self.boundary_bytes
+        ]
+        if first_time and parts:  # once per run, on every rank (what differs per shape is in the timeline)
+            shown.info("PipelineStrategy, pipeline rank %d, per microbatch: %s", self.pipeline_rank, "; ".join(parts))
         log.debug("pipeline rank %d sends per microbatch (bytes by stage): %s", self.pipeline_rank, self.boundary_bytes)
 
     def _guess_inputs(self, shape: tuple) -> Optional[dict[int, Metas]]:

@@ -30,6 +30,7 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
@@ -214,6 +215,13 @@ class _Window(BlockCalls):
                     " step compute and a later stage uses: the step runs differently from the setup's run (its"
                     " control flow depends on the batch's values, or on the stage). Make the step call the same"
                     " modules and blocks for every batch."
+                )
+            if isinstance(value, DTensor):
+                raise BackboneCallError(
+                    f"{self.program.flow.names[producer]} crosses from stage {self.stage} to the next as a DTensor"
+                    f" ({value.placements}): a stage boundary carries plain tensors. Have the module that produces it"
+                    " return a local tensor (`use_local_output=True` in its tensor-parallel style), replicated over"
+                    " the tensor ranks, or run that code inside a block."
                 )
             sent.append(_HandOver.apply(value, anchor) if value.requires_grad else value.contiguous())
         return tuple(sent)
