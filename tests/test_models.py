@@ -9,8 +9,9 @@ Two jobs run every case, one per process count (starting processes costs more th
   padding mask (InterleavedZeroBubble, balance="time"), a backbone reusing one block (1F1B), and nanoGPT built on
   the meta device; and models whose stage boundaries carry several tensors: Lightning's demo encoder-decoder
   language model (``backbone="auto"`` finds both stacks; fit, validate, predict), Hugging Face T5 on padded batches
-  with ``-100`` targets (1F1B, saved; and InterleavedZeroBubble over 4 stages), BART (Interleaved1F1B), and
-  diffusers' Flux (1F1B with fit, validate, predict; ZBVZeroBubble);
+  with ``-100`` targets (1F1B, saved; and InterleavedZeroBubble over 4 stages), BART (Interleaved1F1B, activation
+  checkpointing), diffusers' Flux (1F1B with fit, validate, predict; ZBVZeroBubble) and PixArt-alpha
+  (InterleavedZeroBubble);
 - four processes: Llama and T5 resumed from the two-process checkpoints (another pipeline size), GPT-2, nanoGPT and
   Flux interleaved over 8 stages, the reused block over 4 (LoopedBFS), and the rotary GPT and T5 as 2 pipelines x 2
   replicas.
@@ -65,9 +66,11 @@ TWO = [
     case("t5", "t5", {"num_microbatches": 4}, trainer=ACCUM, fns=["fit", "validate"], data=PADDED),
     case("t5_zb", "t5", {"num_microbatches": 4, "schedule": "InterleavedZeroBubble", "backbone": T5},
          model_kwargs={"layers": 4}, data=PADDED),
-    case("bart", "bart", {"num_microbatches": 4, "schedule": "Interleaved1F1B"}, trainer=ACCUM, data=PADDED),
+    case("bart", "bart", {"num_microbatches": 4, "schedule": "Interleaved1F1B", "activation_checkpointing": True},
+         trainer=ACCUM, data=PADDED),
     case("flux", "flux", {"num_microbatches": 4}, trainer=ACCUM, fns=["fit", "validate", "predict"]),
     case("flux_zbv", "flux", {"num_microbatches": 4, "schedule": "ZBVZeroBubble"}),
+    case("pixart", "pixart", {"num_microbatches": 4, "schedule": "InterleavedZeroBubble"}, trainer=ACCUM),
 ]
 FOUR = [
     case("llama_resumed", "hf_llama", {"num_microbatches": 4}, trainer={"max_epochs": 2, **ACCUM}),

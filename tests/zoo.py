@@ -104,6 +104,8 @@ def loader(
         return DataLoader(finetuning(n, seed, kind), batch_size=batch_size, collate_fn=collate)
     if name == "flux":
         return DataLoader(latents(n, seed), batch_size=batch_size)
+    if name == "pixart":  # 4 channels of 8 x 8
+        return DataLoader(latents(n, seed, tokens=64, channels=4), batch_size=batch_size)
     data = images(n, seed) if name in ("vit", "resnet") else tokens(n, seed, pad=name == "rope")
     return DataLoader(data, batch_size=batch_size)
 
@@ -267,6 +269,36 @@ class Flux(Lit):
 
     def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         return self.predict(batch)[0]
+
+
+class PixArt(Lit):
+    """diffusers' PixArt-alpha transformer as shipped (tiny config, random weights), trained to predict the noise:
+    every block takes the adaLN timestep embedding and the projected caption, both computed from parameters before
+    the blocks; the output modulation reads the embedded timestep again after them."""
+
+    def __init__(self, layers: int = 4, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        from diffusers import PixArtTransformer2DModel
+
+        self.model = PixArtTransformer2DModel(
+            num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4, num_layers=layers,
+            cross_attention_dim=16, sample_size=8, patch_size=2, norm_num_groups=1, caption_channels=16,
+        )
+
+    def predict(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        x0, text, _, t, noise = batch
+        image, noise = x0.reshape(-1, 4, 8, 8), noise.reshape(-1, 4, 8, 8)
+        alpha = (1 - t)[:, None, None, None]
+        noisy = alpha.sqrt() * image + (1 - alpha).sqrt() * noise
+        out = self.model(
+            noisy, encoder_hidden_states=text, timestep=(t * 999).long(),
+            added_cond_kwargs={"resolution": None, "aspect_ratio": None}, return_dict=False,
+        )[0]
+        return out, noise
+
+    def loss(self, batch: Any) -> torch.Tensor:
+        out, target = self.predict(batch)
+        return F.mse_loss(out, target)
 
 
 class MaskedLoss(Lit):
@@ -841,6 +873,7 @@ ZOO = {
     "t5": lambda **kw: HFSeq2Seq("t5", **kw),
     "bart": lambda **kw: HFSeq2Seq("bart", **kw),
     "flux": Flux,
+    "pixart": PixArt,
     "nanogpt": LitNanoGPT,
     "vit": LitVit,
     "resnet": LitResNet,

@@ -86,6 +86,14 @@ torch (checked against 2.13.0, 2.14.1 and 2.15.0; ``pyproject.toml`` pins ``<2.1
   ``ReducingStage`` to run the reductions of [Note: overlapped reductions] around a stage's last full backward of a
   step. It is the one call that knows a backward is a stage's last (torch turns DDP's and FSDP's ``no_sync`` off in
   it); no public hook says so. Checked against 2.13.0, with the signature (``tests/test_compat.py``).
+- ``torch.distributed.pipelining._backward.get_param_groups`` and ``stage.stage_backward_weight`` (the module global
+  ``stage.py`` calls): swapped while a zero-bubble stage's input or weight pass runs (``ReducingStage``;
+  :func:`.torch.merged_param_groups`, :func:`.torch.weight_gradients_keep_graph`). torch groups the weights by where
+  their paths meet the inputs, merging groups pairwise, and frees the graph after each group; an encoder-decoder (a
+  tied embedding read by the decoder's embedding and the head; a decoder block whose self-attention sees only
+  weights) gets a weight counted twice, or a group's pass finds another's nodes freed. The groups are merged
+  transitively, and the graph is kept until the pass ends (the same sums). No public API splits the backward.
+  Checked against 2.13.0 (``tests/test_models.py``: T5 under InterleavedZeroBubble, Flux under ZBVZeroBubble).
 - ``DeviceMesh._flatten(mesh_dim_name, backend_override=...)``: the HSDP mesh's ``"data_parallel"`` dimension, its
   ``"data_parallel_replicate"`` and ``"data_parallel_shard"`` dimensions flattened into one
   (``_lightning/parallel_dims.py``: ``ParallelDims.build``), so that ``mesh["data_parallel"]`` is the replicas of a
@@ -197,6 +205,8 @@ PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     ("torch.distributed.pipelining.schedules", "_PipelineSchedule._loss_fn"),
     # torch: stages and meshes, tensor parallelism (see the entries above; tests/test_compat.py checks the signatures)
     ("torch.distributed.pipelining", "PipelineStage.backward_maybe_with_nosync"),  # _step/pipeline.py: ReducingStage
+    ("torch.distributed.pipelining._backward", "get_param_groups"),  # .torch.merged_param_groups
+    ("torch.distributed.pipelining.stage", "stage_backward_weight"),  # .torch.weight_gradients_keep_graph
     ("torch.distributed.device_mesh", "DeviceMesh._flatten"),  # _lightning/parallel_dims.py: ParallelDims.build
     ("torch.distributed.tensor.parallel.style", "ParallelStyle._apply"),  # _compat/torch.py, _model/tensor_parallel.py
     # torch: what configure_model asks of fully_shard and checkpoint_wrapper (_compat/torch.py)

@@ -22,6 +22,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.combined_loader import CombinedLoader
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from lightning_pipe._lightning.hooks import STEP_HOOKS, step_args
 from lightning_pipe._lightning.log import LogRecorder
@@ -148,8 +149,12 @@ class _Profiled(BlockCalls):
         block.to(self.device)
         detached = hidden.detach()
         inp = detached.requires_grad_(detached.is_floating_point()) if torch.is_grad_enabled() else detached
-        call_args, call_kwargs = replace_hidden(args, kwargs, at, inp)
-        with untouched(block, self.device, drop_grads=True):  # timed only: the run below is the step's
+        # every tensor argument cut from the step's graph (an encoder's output reaches each decoder block through the
+        # encoder's final norm: timing one block's backward must not run through it)
+        cut = tree_map(lambda t: t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t,
+                       (args, kwargs))
+        call_args, call_kwargs = replace_hidden(*cut, at, inp)
+        with untouched(block, self.device, drop_grads=True):
             _sync(self.device)
             start = time.perf_counter()
             out = block(*call_args, **call_kwargs)
@@ -157,9 +162,9 @@ class _Profiled(BlockCalls):
                 self.program.hidden_of(index, out).float().sum().backward()
             _sync(self.device)
             self.costs[index] += time.perf_counter() - start
-        with torch.no_grad():
-            call_args, call_kwargs = replace_hidden(args, kwargs, at, hidden.detach())
-            out = block(*call_args, **call_kwargs)
+        # What the step goes on with: the timed call's output, cut from its graph. The block is not called twice, so
+        # an argument with state (an encoder-decoder's cache of keys and values) sees each call once, as in the step.
+        out = tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out)
         if home is not None:
             block.to(home)
         if index == len(self.program.backbone) - 1:  # the code after the backbone is timed from here
