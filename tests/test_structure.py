@@ -271,3 +271,40 @@ def test_auto_finds_the_longest_container_and_says_so(caplog):
         trainer = fit(Longest())
     assert "pipelining `blocks` (4 x NanoBlock)" in caplog.text
     assert trainer.strategy.runtime.cut.backbone.paths == ("blocks",)
+
+
+def _cut(name: str, backbone: Any, stages: int, **kwargs: Any) -> Any:
+    """The cut setup makes of zoo model ``name`` over ``stages`` equal stages (analysis only, one process)."""
+    from lightning_pipe._model.backbone import find_backbone
+    from lightning_pipe._model.cut import Cut
+    from lightning_pipe._model.structure import analyze
+    from lightning_pipe.partition import make_layout
+
+    model = zoo.make(name, **kwargs)
+    batch = next(iter(zoo.loader(name, n=4, batch_size=4, kind="padded" if name == "t5" else None)))
+    found = find_backbone(model, backbone)
+    structure = analyze(model, found, model.training_step, (batch, 0), torch.device("cpu"), training=True)
+    return Cut(model, found, structure, make_layout([1.0] * len(found), stages, 1))
+
+
+def test_what_each_boundary_carries_flux_and_t5():
+    """[Note: stage boundaries] on models as shipped: Flux's two streams and ``temb`` cross, ``temb`` on to the final
+    norm; T5's encoder output leaves the stage where the decoder starts (its final norm runs there), the position
+    biases reach the blocks of their own stack, and the shared embedding is tied over the stages that read it."""
+    flux = _cut("flux", ["model.transformer_blocks", "model.single_transformer_blocks"], 2)
+    temb = ("module", "model.time_text_embed", 0, 0)
+    assert flux.flow.sends[0] == (temb, ("block", 1, 0, 0), ("block", 1, 0, 1))
+    assert flux.flow.answers == (temb, ("block", 3, 0, 1))  # `norm_out(hidden_states, temb)`
+
+    t5 = _cut("t5", ["model.encoder.block", "model.decoder.block"], 4, layers=2)
+    enc_bias, dec_bias, cross_bias = ("block", 0, 0, 1), ("block", 2, 0, 1), ("block", 2, 0, 2)
+    assert t5.flow.sends[0] == (("block", 0, 0, 0), enc_bias)
+    assert t5.flow.sends[1] == (("block", 1, 0, 0),)  # only the encoder's last output: its final norm is on stage 2
+    encoder_out = next(p for p in t5.flow.sends[2] if p[0] == "module")
+    assert encoder_out[1].startswith("model.encoder.") and set(t5.flow.sends[2]) == {
+        encoder_out, dec_bias, cross_bias, ("block", 2, 0, 0)
+    }
+    placed = {path: set(reg.stages) for reg in t5.registrations for path in reg.paths}
+    assert placed["model.encoder.final_layer_norm.weight"] == {2}  # code between the stacks: the decoder's stage
+    ties = {name: ranks for name, ranks, _ in t5.ties()}
+    assert ties == {"model.shared.weight": frozenset({0, 2, 3})}  # encoder and decoder embedding, tied head
