@@ -85,7 +85,7 @@ def test_a_schedule_whose_step_failed_is_rebuilt(schedule: str, one_process_grou
     spec = schedule_spec(schedule)
     pipeline = StagePipeline(
         stages, StageLayout(((0, 1), (1, 2)), 1, spec.placement), spec, MICROBATCHES, dist.group.WORLD,
-        torch.device("cpu"), probe=lambda stage, rows, received: ((len(rows), WIDTH), torch.float32),
+        torch.device("cpu"), probe=lambda stage, rows, received: (((len(rows), WIDTH), torch.float32),),
     )
     params = [p for stage in stages.values() for p in stage.parameters()]
     target = torch.randn(ROWS, WIDTH)
