@@ -239,3 +239,19 @@ def test_checkpoint_names_are_the_models_own_and_consolidate(two, work):
     )
     hf = LlamaForCausalLM(config)
     hf.load_state_dict({k.removeprefix("model."): v for k, v in state.items()}, strict=True)
+
+
+def test_t5_checkpoint_stores_the_shared_embedding_once_and_consolidates(two, work):
+    """T5's embedding is held by three stages (encoder embedding, decoder embedding, tied head) on two ranks: the
+    checkpoint stores it once, and consolidated it loads into ``T5ForConditionalGeneration`` with every name."""
+    from lightning_pipe.checkpoint import consolidated_checkpoint
+
+    stored = _dcp_keys(work / "t5.ckpt")
+    assert "state_dict.model.shared.weight" in stored
+    assert not any(k.startswith("state_dict.") and k.endswith("embed_tokens.weight") for k in stored)
+    state = consolidated_checkpoint(work / "t5.ckpt")["state_dict"]
+    trained = merged_state(ranks(two, "t5", 2))
+    assert all(torch.equal(state[k], v) for k, v in trained.items())
+    hf = zoo.make("t5").model
+    hf.load_state_dict({k.removeprefix("model."): v for k, v in state.items()}, strict=True)
+    assert torch.equal(hf.lm_head.weight, state["model.shared.weight"])  # the trained, tied values
