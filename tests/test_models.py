@@ -83,6 +83,8 @@ FOUR = [
     case("flux_8", "flux", {"num_microbatches": 4, "schedule": "Interleaved1F1B"},
          model_kwargs={"layers": 4, "single_layers": 4}),
     case("t5_dp", "t5", {"num_microbatches": 4, "pipeline_parallel_size": 2}, trainer=ACCUM, data=PADDED),
+    case("flux_fsdp", "flux", {"num_microbatches": 4, "pipeline_parallel_size": 2, "data_parallel": "fsdp"},
+         trainer=ACCUM),
 ]
 
 
