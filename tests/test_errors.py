@@ -125,7 +125,7 @@ def test_bad_arguments_fail_at_construction(kwargs, match):
 @pytest.mark.parametrize(
     ("case", "match"),
     [
-        ("parameter-arguments", r"computed from the parameter\(s\) gain outside any module on stage 0, is used on stage 1"),
+        ("parameter-arguments", r"from the parameter\(s\) gain outside any module on stage 0, is used on stage 1"),
         ("too-few-microbatches", r"num_microbatches=1\)` is not valid for 2 stages.*Raise `num_microbatches`"),
         ("too-many-stages", "cannot be split into 4 non-empty stages"),
         ("synced-metric", r"\['train_acc'\] have `dist_sync_on_step=True`.*`dist_sync_on_step=False`"),

@@ -32,7 +32,6 @@ from lightning_pipe._errors import BackboneCallError
 from lightning_pipe._ghost import Ghost, GhostValueError, ghost_of
 from lightning_pipe._lightning.metrics import metrics_set_aside, module_metrics
 from lightning_pipe._model.backbone import Backbone
-from lightning_pipe._model.flow import Producer, Unsendable, block_position, region_position
 from lightning_pipe._model.calls import (
     BlockCalls,
     BlockIO,
@@ -45,6 +44,7 @@ from lightning_pipe._model.calls import (
     never_called,
     replace_hidden,
 )
+from lightning_pipe._model.flow import Producer, Unsendable, block_position, region_position
 
 log = logging.getLogger(__name__)
 

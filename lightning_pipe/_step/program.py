@@ -37,7 +37,6 @@ from torch.utils.checkpoint import checkpoint
 from lightning_pipe._errors import BackboneCallError
 from lightning_pipe._ghost import Ghost, contains_ghost, ghost_of
 from lightning_pipe._model.backbone import Backbone
-from lightning_pipe._model.flow import Flow, Producer
 from lightning_pipe._model.calls import (
     BlockCalls,
     BlockRunners,
@@ -49,6 +48,7 @@ from lightning_pipe._model.calls import (
     replace_hidden,
     slice_batch,
 )
+from lightning_pipe._model.flow import Flow, Producer
 
 
 class StepProgram(BlockRunners):
@@ -189,7 +189,7 @@ class _Window(BlockCalls):
     def on_module_output(self, path: str, call: int, output: Any) -> Any:
         leaves, spec = tree_flatten(output)
         changed = False
-        for i, leaf in enumerate(leaves):
+        for i in range(len(leaves)):
             producer = ("module", path, call, i)
             value = self.given.get(producer)
             if value is not None:
