@@ -466,3 +466,52 @@ def test_cli_reads_the_replicas_of_the_config(tmp_path, capsys):
     assert main(["--config", config, "--global-batch-size", "8", "--schedules", "1F1B"]) == 0
     out = capsys.readouterr().out
     assert "global batch 8 (given)" in out and "GPipe" not in out
+
+
+# ------------------------------------------------------------------------------------------------ simulation
+from lightning_pipe.plan import StageCosts, simulate  # noqa: E402
+from lightning_pipe.schedules import textbook_bubble_fraction  # noqa: E402
+
+
+@pytest.mark.parametrize(("schedule", "v"), [("1F1B", 1), ("GPipe", 1), ("Interleaved1F1B", 2), ("LoopedBFS", 2)])
+def test_simulating_torchs_order_gives_the_textbook_bubble(schedule, v):
+    """Equal stages, free transfers: torch's own order of actions idles the textbook fraction, and the busiest
+    rank computes m * (F + B + W) of its stages."""
+    p, m = 4, 8
+    stage = StageCosts(1.0, 1.0, 1.0)
+    predicted = simulate(schedule, p, m, [stage] * (p * v))
+    assert predicted.ideal == pytest.approx(v * m * 3.0)
+    if schedule != "LoopedBFS":  # all forwards of a stage, then all backwards: more idling than interleaving
+        assert predicted.bubble == pytest.approx(textbook_bubble_fraction(p, m, v))
+    else:
+        assert predicted.bubble >= textbook_bubble_fraction(p, m, v)
+
+
+def test_zero_bubble_schedules_win_by_their_weight_gradients_only():
+    """With weight-gradient time equal to forward time, the zero-bubble schedules fill the bubble with deferred
+    weight gradients and predict the shortest step; with no weight-gradient time they cannot, and tie with
+    Interleaved1F1B: the best choice changes with the costs."""
+    p, m = 4, 8
+
+    def steps(weight: float) -> dict[str, float]:
+        stage = StageCosts(1.0, 1.0, weight)
+        return {
+            s: simulate(s, p, m, [stage] * (2 * p)).step_time
+            for s in ("Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+        }
+
+    with_w, without = steps(1.0), steps(0.0)
+    assert min(with_w, key=with_w.get) != "Interleaved1F1B"
+    assert with_w["ZBVZeroBubble"] < 0.95 * with_w["Interleaved1F1B"]
+    assert without["ZBVZeroBubble"] == pytest.approx(without["Interleaved1F1B"])
+
+
+def test_the_slowest_stage_and_the_transfers_set_the_pace():
+    p, m = 2, 8
+    even = simulate("1F1B", p, m, [StageCosts(1.0, 1.0, 1.0)] * 2)
+    slow_last = simulate("1F1B", p, m, [StageCosts(1.0, 1.0, 1.0), StageCosts(2.0, 2.0, 2.0)])
+    assert slow_last.step_time == pytest.approx(m * 6.0 + 3.0)  # the slow stage runs back to back after the first F
+    assert simulate("1F1B", p, m, [StageCosts(1.0, 1.0, 1.0)] * 2, transfer=0.5).step_time > even.step_time
+    assert simulate("1F1B", p, m, [StageCosts(1.0, 1.0, 1.0)] * 2, overhead=0.1).step_time == pytest.approx(
+        even.step_time + 0.1 * (m + 1) * 2
+    )

@@ -23,6 +23,11 @@ of a per-replica batch ``b`` (global batch ``B = b * data_parallel_size``):
 * tensor parallelism over ``t`` processes of a node (``devices_per_node`` given; ``p * data_parallel_size * t``
   devices): every module costs ``(1 + tensor_parallel_overhead * (t - 1)) / t`` of its cost and holds ``1 / t`` of
   its parameter bytes; activations stay whole.
+
+:func:`simulate` predicts a schedule's step time differently, for stage costs split into forward, input-gradient and
+weight-gradient times: it plays torch's own order of actions for that schedule against a clock ([Note: schedule
+simulation] in ``plan/_simulate.py``), so the zero-bubble schedules' deferred weight gradients and torch's exact
+warm-up orders count. ``benchmarks/predicted.py`` compares it with measured step times.
 """
 
 from lightning_pipe._step.microbatches import (
@@ -40,10 +45,13 @@ from lightning_pipe.plan._search import (
     search_plans,
     tensor_parallel_sizes,
 )
+from lightning_pipe.plan._simulate import Prediction, StageCosts, simulate
 
 __all__ = [
     "PLANNED_SCHEDULES",
     "Plan",
+    "Prediction",
+    "StageCosts",
     "TARGET_BUBBLE",
     "backbone_profile",
     "default_num_microbatches",
@@ -54,6 +62,7 @@ __all__ = [
     "plan_for_module",
     "plan_pipeline",
     "search_plans",
+    "simulate",
     "tensor_parallel_sizes",
     "valid_num_microbatches",
 ]
