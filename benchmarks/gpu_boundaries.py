@@ -18,10 +18,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-import zoo  # noqa: E402
-from test_structure import Between, KeepsAll, SkipsOver  # noqa: E402
+import zoo
+from test_structure import Between, KeepsAll, SkipsOver
 
-from lightning_pipe import PipelineStrategy  # noqa: E402
+from lightning_pipe import PipelineStrategy
 
 
 class DemoLM(L.LightningModule):
