@@ -14,6 +14,7 @@ output) and its output is that tensor, or a tuple/list whose first element is.
 from __future__ import annotations
 
 import functools
+import weakref
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -195,16 +196,13 @@ class BlockRunners:
             for key, entries in (swaps or {}).items()
         }
         self._displaced: list[tuple[dict, str, Any]] = []  # what the stand-ins replaced, put back after
+        # a weak reference: the hooks stay on the user's modules, the program may go (a later Trainer call builds
+        # another); a hook whose program is gone does nothing
+        me = weakref.ref(self)
         self._hooks = [
-            module.get_submodule(path).register_forward_hook(functools.partial(self._module_returned, path))
+            module.get_submodule(path).register_forward_hook(functools.partial(_module_returned, me, path))
             for path in sorted(structure.producer_modules())
         ]
-
-    def _module_returned(self, path: str, called: nn.Module, args: Any, output: Any) -> Any:
-        run = self.current
-        if run is None or run.in_block:
-            return None
-        return run.module_output(path, output)
 
     def batch_size_of(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> int:
         """The batch size of a step's call: the first dimension of the first block's hidden state."""
@@ -301,6 +299,15 @@ class BlockRunners:
                 for hooks in ("_forward_pre_hooks", "_forward_hooks"):
                     self._displaced.append((vars(owner), hooks, vars(owner)[hooks]))
                     vars(owner)[hooks] = OrderedDict()
+
+
+def _module_returned(program: Any, path: str, called: nn.Module, args: Any, output: Any) -> Any:
+    """A producer module's forward hook ([Note: stage boundaries]): the run in progress decides what the step sees."""
+    runners = program()
+    run = runners.current if runners is not None else None
+    if run is None or run.in_block:
+        return None
+    return run.module_output(path, output)
 
 
 class _Capture(BlockCalls):
