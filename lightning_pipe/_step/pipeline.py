@@ -87,7 +87,7 @@ class StageModule(nn.Module):
         return super().parameters(recurse)
 
     def forward(self, *inputs: torch.Tensor, lp_rows: torch.Tensor) -> Any:
-        for received in inputs if self.stage > 0 else ():
+        for received in inputs if self.stage > 0 and len(inputs) > 1 else ():
             if received.requires_grad:  # torch sends the gradient as computed: a broadcast value's may be strided
                 received.register_hook(_contiguous)
         out = self._program.run_stage(self.stage, lp_rows, inputs if self.stage > 0 else ())
