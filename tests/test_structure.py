@@ -308,3 +308,50 @@ def test_what_each_boundary_carries_flux_and_t5():
     assert placed["model.encoder.final_layer_norm.weight"] == {2}  # code between the stacks: the decoder's stage
     ties = {name: ranks for name, ranks, _ in t5.ties()}
     assert ties == {"model.shared.weight": frozenset({0, 2, 3})}  # encoder and decoder embedding, tied head
+
+
+class Shift(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(zoo.DIM, zoo.DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(torch.ones(1, 1, zoo.DIM, device=x.device))  # no batch dimension
+
+
+class NonBatched(Net):
+    """A value without a batch dimension, computed from parameters before the backbone and read after it too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shift = Shift()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = self.shift(x)
+        return self.head(self.trunk(self.embed(x) + s) + s)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y, _ = batch
+        self.log("val_loss", F.cross_entropy(self(x).flatten(0, 1), y.flatten()))
+
+
+@pytest.mark.parametrize("schedule", ["Interleaved1F1B", "InterleavedZeroBubble"])
+def test_a_value_without_a_batch_dimension_crosses_and_is_not_merged(schedule):
+    """Sent with every microbatch; after evaluation, torch concatenates the last stage's outputs along dimension 0,
+    and such a value is taken once again: validation equals one device's."""
+
+    def run(strategy: Any) -> tuple[float, dict[str, torch.Tensor]]:
+        torch.manual_seed(0)
+        module = NonBatched()
+        trainer = L.Trainer(
+            accelerator="cpu", devices=1, strategy=strategy, max_steps=2, logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        )
+        trainer.fit(module, zoo.loader("tokens", n=8, batch_size=4))
+        validated = trainer.validate(module, zoo.loader("tokens", n=8, batch_size=4), verbose=False)
+        return validated[0]["val_loss"], {k: v.clone() for k, v in module.state_dict().items()}
+
+    want = run("auto")
+    got = run(PipelineStrategy(num_microbatches=2, schedule=schedule, stages_per_rank=2))
+    assert got[0] == pytest.approx(want[0], abs=1e-6)
+    assert max((got[1][k] - want[1][k]).abs().max().item() for k in want[1]) < 1e-5
