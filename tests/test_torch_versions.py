@@ -116,8 +116,8 @@ def test_a_schedule_whose_step_failed_is_rebuilt(schedule: str, one_process_grou
     torch.testing.assert_close(evaluate()[0], direct)
     for run, training in ((train, True), (evaluate, False)):
         expected = run()
-        failed_schedule = pipeline._schedule_for(sample, ROWS, MICROBATCHES, training)
+        failed_schedule = pipeline._schedule_for(pipeline._key_for(sample, ROWS, MICROBATCHES, training))
         fails(run)
-        assert pipeline._schedule_for(sample, ROWS, MICROBATCHES, training) is not failed_schedule
+        assert pipeline._schedule_for(pipeline._key_for(sample, ROWS, MICROBATCHES, training)) is not failed_schedule
         got = run()
         assert len(got) == len(expected) and all(torch.equal(a, b) for a, b in zip(got, expected)), (schedule, run)

@@ -66,9 +66,6 @@ class Structure:
     region_params: dict[int, set[int]] = field(default_factory=dict)  # parameter id -> regions that read it
     region_modules: dict[int, set[int]] = field(default_factory=dict)  # module id -> regions that call it
 
-    def params_read_in(self, region: int) -> set[int]:
-        return {pid for pid, regions in self.region_params.items() if region in regions}
-
     def producer_modules(self) -> set[str]:
         return {key for kind, key, _, _ in self.values if kind == "module"}
 
@@ -113,7 +110,6 @@ class BlockCalls:
     def __init__(self, program: BlockRunners) -> None:
         self.program = program
         self.next = 0
-        self.chain: Any = None  # the hidden state the last block call produced
         self.after_backbone = False
         self.in_block = False
         self.module_calls: dict[str, int] = {}  # producer module -> its calls outside the blocks so far
@@ -131,7 +127,6 @@ class BlockCalls:
         at = self.locate_hidden(index, args, kwargs)
         hidden = get_hidden(args, kwargs, at)
         out = self.on_block(index, block, args, kwargs, at, hidden)
-        self.chain = self.program.hidden_of(index, out)
         if index == len(backbone) - 1:
             self.after_backbone = True
             self.on_backbone_end()
@@ -241,7 +236,7 @@ class BlockRunners:
             return self.output_like(index, hidden)
         arg_leaves = tree_leaves((args, kwargs))
         shapes = [tuple(t.shape) for t in arg_leaves if isinstance(t, Tensor)]
-        sizes = _size_map(io.arg_shapes, shapes)
+        sizes = size_map_of_shapes(io.arg_shapes, shapes)
         leaves = []
         for i, leaf in enumerate(io.out_leaves):
             value = given.get(("block", index, 0, i))
@@ -316,9 +311,11 @@ class _Capture(BlockCalls):
 
 
 
-def _size_map(old: Sequence[tuple[int, ...]], new: Sequence[tuple[int, ...]]) -> Optional[dict[int, int]]:
-    """``{old size: new size}`` over two lists of shapes, or ``None`` if they differ in rank or an old size would map
-    to two new ones."""
+def size_map_of_shapes(
+    old: Sequence[tuple[int, ...]], new: Sequence[tuple[int, ...]]
+) -> Optional[dict[int, int]]:
+    """``{old size: new size}`` over two lists of shapes, or ``None`` if they differ in count or rank or an old size
+    would map to two new ones (a skipped block's output shapes; a schedule key's, ``_step/shapes.py``)."""
     if len(old) != len(new):
         return None
     sizes: dict[int, int] = {}

@@ -112,7 +112,7 @@ class _Analysis(BlockCalls):
         self.ghost_params: dict[int, int] = {}
         self.param_names: dict[int, str] = {}
         self.module_names = {id(m): name for name, m in module.named_modules() if name}
-        self.started = False
+        self.chain: Any = None  # the hidden state the last block call produced
         self.kept: dict[int, Tensor] = {}  # every ghost (and block output) seen, so that its id is not reused
         self.producers: dict[int, tuple[Producer, int]] = {}  # id(ghost) -> (producer, position)
         self.derived: dict[int, tuple[int, list[int], list[int], str]] = {}  # id -> (position, inputs, params, op)
@@ -134,10 +134,10 @@ class _Analysis(BlockCalls):
         if self.in_block or isinstance(called, Runner):
             return
         path = self.module_names.get(id(called))
-        if path is None:
-            return
-        call = self.module_calls.get(path, 0)
-        self.module_calls[path] = call + 1
+        if path is not None:
+            self.module_output(path, output)  # counted as the stages' hooks count it
+
+    def on_module_output(self, path: str, call: int, output: Any) -> None:
         for i, leaf in enumerate(tree_leaves(output)):
             if isinstance(leaf, Ghost) and id(leaf) not in self.producers and id(leaf) not in self.ghost_params:
                 self.producers[self._keep(leaf)] = (("module", path, call, i), self._here())
@@ -166,7 +166,6 @@ class _Analysis(BlockCalls):
         """Learn (and record) where this call carries the hidden state: what the block before returned, else the
         first positional (or tensor keyword) argument."""
         if index == 0:
-            self.started = True
             _refuse_filled_cache(args, kwargs)
         found = [("arg", i) for i, a in enumerate(args) if index > 0 and a is self.chain]
         found += [("kwarg", k) for k, v in kwargs.items() if index > 0 and v is self.chain]
@@ -225,6 +224,7 @@ class _Analysis(BlockCalls):
         self.structure.block_io[index] = BlockIO(
             shapes, spec, tuple(_meta(leaf) if isinstance(leaf, Tensor) else leaf for leaf in leaves), passed
         )
+        self.chain = self.program.hidden_of(index, out)
         return out
 
     # --------------------------------------------------------------------------------------------- the result

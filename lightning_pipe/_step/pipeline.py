@@ -17,6 +17,7 @@ shapes], [Note: schedules kept per shape]).
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -202,7 +203,7 @@ class StagePipeline:
         gets the last stage's output of a microbatch and the batch rows it holds. With ``timeline``, the schedule's
         step is traced into it (:mod:`lightning_pipe.timeline`; a barrier over the pipeline group).
         """
-        schedule = self._schedule_for(sample, batch_size, num_microbatches, training=True)
+        schedule = self._schedule_for(self._key_for(sample, batch_size, num_microbatches, training=True))
         rows = torch.arange(batch_size, device=self.device)
         self._loss_fn = loss_fn
         try:
@@ -214,14 +215,14 @@ class StagePipeline:
 
     def eval_step(self, sample: Any, batch_size: int, num_microbatches: int) -> Optional[torch.Tensor]:
         """Forward-only pass of one batch. Returns the merged last-stage output on the last stage, else ``None``."""
-        schedule = self._schedule_for(sample, batch_size, num_microbatches, training=False)
+        key = self._key_for(sample, batch_size, num_microbatches, training=False)
+        schedule = self._schedule_for(key)
         rows = torch.arange(batch_size, device=self.device)
         with self._dropped_if_it_fails(schedule), _watchdog.waiting(lambda: self._transfers("evaluation")):
             output = schedule.eval(*self._first_input(rows), lp_rows=rows)
         if not self.has_last_stage:
             return None
         if isinstance(output, tuple):  # torch concatenates along dimension 0: a value without a batch dimension
-            key = self._key_for(sample, batch_size, num_microbatches, training=False)
             metas = self._metas[shape_of(key)][self.layout.num_stages - 1][1]
             output = tuple(
                 out if shape[:1] == (batch_size // num_microbatches,) else out[: shape[0]]
@@ -278,11 +279,11 @@ class StagePipeline:
         shapes = tuple((tuple(t.shape), t.dtype) for t in tree_leaves(sample) if isinstance(t, torch.Tensor))
         return rows, shapes, num_microbatches, training, torch.is_autocast_enabled(self.device.type)
 
-    def _schedule_for(self, sample: Any, batch_size: int, num_microbatches: int, training: bool) -> Any:
-        key = self._key_for(sample, batch_size, num_microbatches, training)
-        rows = key[0]
+    def _schedule_for(self, key: tuple) -> Any:
+        """The schedule kept for ``key`` (:meth:`_key_for`), built when it is not."""
         schedule = self._schedules.get(key)
         if schedule is None:
+            rows, _, num_microbatches, training, _ = key
             schedule = self._build(key, rows, num_microbatches, training)
         return schedule
 
@@ -477,10 +478,4 @@ def _meta_tensor(meta: Meta, requires_grad: bool) -> torch.Tensor:
 
 
 def _nbytes(metas: Metas) -> int:
-    total = 0
-    for shape, dtype in metas:
-        numel = 1
-        for size in shape:
-            numel *= size
-        total += numel * dtype.itemsize
-    return total
+    return sum(math.prod(shape) * dtype.itemsize for shape, dtype in metas)

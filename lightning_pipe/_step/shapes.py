@@ -29,6 +29,8 @@ from typing import Any, Optional
 
 import torch
 
+from lightning_pipe._model.calls import size_map_of_shapes
+
 #: A tensor's ``(shape, dtype)``: what a stage receives or returns, for one microbatch.
 Meta = tuple[tuple[int, ...], torch.dtype]
 #: What a stage boundary carries for one microbatch: one :data:`Meta` per tensor ([Note: stage boundaries]).
@@ -143,16 +145,11 @@ def size_map(old: tuple, new: tuple) -> Optional[dict[int, int]]:
     """``{old size: new size}`` over the rows and the sample's dimensions of two shape keys, or ``None`` if they
     differ in mode, tensors, ranks or dtypes, or an old size would map to two new ones."""
     (old_rows, old_shapes, *old_mode), (new_rows, new_shapes, *new_mode) = old, new
-    layout = [(len(shape), dtype) for shape, dtype in old_shapes]
-    if old_mode != new_mode or layout != [(len(shape), dtype) for shape, dtype in new_shapes]:
+    if old_mode != new_mode or [dtype for _, dtype in old_shapes] != [dtype for _, dtype in new_shapes]:
         return None
-    sizes: dict[int, int] = {}
-    old_sizes = [old_rows, *(d for shape, _ in old_shapes for d in shape)]
-    new_sizes = [new_rows, *(d for shape, _ in new_shapes for d in shape)]
-    for before, after in zip(old_sizes, new_sizes):
-        if sizes.setdefault(before, after) != after:
-            return None
-    return sizes
+    return size_map_of_shapes(
+        [(old_rows,), *(shape for shape, _ in old_shapes)], [(new_rows,), *(shape for shape, _ in new_shapes)]
+    )
 
 
 def resized(meta: Meta, sizes: dict[int, int]) -> Meta:
