@@ -60,27 +60,33 @@ class _Sleep(torch.autograd.Function):
 
 class CostedBlock(nn.Module):
     """``x + x @ w``, costing ``forward_ms`` forward, ``input_grad_ms`` for the input gradient and ``weight_grad_ms``
-    for the weight gradient."""
+    for the weight gradient; with ``per_row``, those times per row of the microbatch (so that the microbatch count
+    trades the bubble against nothing else)."""
 
-    def __init__(self, dim: int, forward_ms: float, input_grad_ms: float, weight_grad_ms: float) -> None:
+    def __init__(self, dim: int, forward_ms: float, input_grad_ms: float, weight_grad_ms: float,
+                 per_row: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.randn(dim, dim) * 0.01)
         self.forward_s, self.input_grad_s = forward_ms / 1e3, input_grad_ms / 1e3
+        self.per_row = per_row
+        self._rows = 1
         weight_grad_s = weight_grad_ms / 1e3
         if weight_grad_s > 0:
-            self.weight.register_hook(lambda grad: (time.sleep(weight_grad_s), grad)[1])
+            self.weight.register_hook(lambda grad: (time.sleep(weight_grad_s * self._rows), grad)[1])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _Sleep.apply(x + x @ self.weight, self.forward_s, self.input_grad_s)
+        rows = x.shape[0] if self.per_row else 1
+        self._rows = rows
+        return _Sleep.apply(x + x @ self.weight, self.forward_s * rows, self.input_grad_s * rows)
 
 
 class Costed(L.LightningModule):
     def __init__(self, blocks: int, dim: int, forward_ms: float, input_grad_ms: float, weight_grad_ms: float,
-                 lr: float = 0.01) -> None:
+                 lr: float = 0.01, per_row: bool = False) -> None:
         super().__init__()
         self.lr = lr
         self.backbone = nn.Sequential(
-            *[CostedBlock(dim, forward_ms, input_grad_ms, weight_grad_ms) for _ in range(blocks)]
+            *[CostedBlock(dim, forward_ms, input_grad_ms, weight_grad_ms, per_row) for _ in range(blocks)]
         )
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:

@@ -42,6 +42,7 @@ from lightning_pipe._model.parallelize import ParallelismArgs, data_parallel_mod
 from lightning_pipe._model.profile import first_batch, measure_backbone
 from lightning_pipe._model.shard import refuse_unshardable, refuse_user_sharding
 from lightning_pipe._model.split import previous_cut, refuse_unsupported, split_module
+from lightning_pipe._step.auto import Chooser
 from lightning_pipe._step.microbatches import MicrobatchPolicy
 from lightning_pipe._step.runtime import PipelineRuntime
 
@@ -89,7 +90,13 @@ def build_pipeline(module: pl.LightningModule, trainer: pl.Trainer, args: SetupA
     if mode != "ddp":
         refuse_unshardable(mode, args.precision_plugin, trainer.callbacks)
     microbatches = MicrobatchPolicy(options.num_microbatches, options.schedule, dims.pipeline, options.stages_per_rank)
-    cut = _cut_into_stages(module, args, microbatches, fitting)
+    chooser = Chooser(options, dims.pipeline, _measure(module, args, microbatches), module, args.device, fitting)
+    cut = _cut_into_stages(module, args, fitting, chooser)
+    if cut.choice is not None:  # [Note: configuration by measurement]
+        options = cut.choice.resolve(options)
+        microbatches = MicrobatchPolicy(
+            options.num_microbatches, options.schedule, dims.pipeline, options.stages_per_rank
+        )
     sharding = _parallelize(module, cut, args).sharding
     own_sampling = _adapt_to_cut(module, trainer, cut, args)
     args.precision_plugin.convert_module(module)
@@ -102,23 +109,27 @@ def build_pipeline(module: pl.LightningModule, trainer: pl.Trainer, args: SetupA
         amp_scaler=getattr(args.precision_plugin, "scaler", None), timeline=options.timeline,
         check_data_every=options.check_data_every_n_batches, sharding=sharding,
         scale_group=dims.loss_weight_group, tensor_group=dims.tensor_group,
-        through_override=through_backward_override(module) if fitting else None,
+        through_override=through_backward_override(module) if fitting else None, trial=chooser.trial,
     )
     counted_once = {id(p) for group, params in ties for p in params if dist.get_rank(group) != 0}
     args.precision_plugin.connect_pipeline(dims.pipeline_group, counted=lambda p: id(p) not in counted_once)
     return runtime, own_sampling
 
 
-def _cut_into_stages(module: pl.LightningModule, args: SetupArgs, microbatches: MicrobatchPolicy, fitting: bool) -> Cut:
-    options, device = args.options, args.device
-    measure = functools.partial(
-        measure_backbone, module, device=device, microbatches_for=microbatches.for_batch,
+def _measure(module: pl.LightningModule, args: SetupArgs, microbatches: MicrobatchPolicy) -> Callable[..., Any]:
+    return functools.partial(
+        measure_backbone, module, device=args.device, microbatches_for=microbatches.for_batch,
         step_context=args.precision_plugin.train_step_context,
     )
+
+
+def _cut_into_stages(module: pl.LightningModule, args: SetupArgs, fitting: bool, chooser: Chooser) -> Cut:
+    options, device = args.options, args.device
     return split_module(
         module, options.backbone, pipeline_parallel_size=args.dims.pipeline, stages_per_rank=options.stages_per_rank,
         pipeline_rank=args.dims.pipeline_rank, schedule=options.schedule, balance=options.balance, device=device,
-        fitting=fitting, sample=lambda: first_batch(module, args.batch_to_device), measure=measure,
+        fitting=fitting, sample=lambda: first_batch(module, args.batch_to_device), measure=chooser.measure,
+        choose=chooser if options.auto else None,
     )
 
 

@@ -7,9 +7,9 @@ strategy, the microbatch policy, the planner and the timeline need about it, in 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
-__all__ = ["SCHEDULES", "SCHEDULE_NAMES", "ScheduleSpec", "schedule_spec"]
+__all__ = ["SCHEDULES", "SCHEDULE_NAMES", "ScheduleSpec", "register_schedules", "schedule_spec"]
 
 
 @dataclass(frozen=True)
@@ -100,3 +100,12 @@ def schedule_spec(name: str) -> ScheduleSpec:
     if canonical is None:
         raise ValueError(f"Unknown `schedule={name!r}`. Choose one of {list(SCHEDULE_NAMES)}.")
     return SCHEDULES[canonical]
+
+
+def register_schedules(cls: type, strategy_registry: Any) -> None:
+    """Register ``cls`` under each schedule's strategy names (``Trainer(strategy="pipeline_gpipe")``), once."""
+    for spec in SCHEDULES.values():
+        description = f"Pipeline parallelism with the {spec.name} schedule"
+        for name in spec.strategy_names:
+            if name not in strategy_registry:
+                strategy_registry.register(name, cls, description=description, schedule=spec.name)

@@ -18,9 +18,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.distributed import (
-    _get_default_process_group_backend_for_device,
-)
+from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.plugins.precision import Precision
@@ -53,7 +51,7 @@ from lightning_pipe._step.runtime import PipelineRuntime
 from lightning_pipe.checkpoint import _dcp, _files
 from lightning_pipe.checkpoint._names import all_gather
 from lightning_pipe.partition import StageLayout
-from lightning_pipe.schedules import SCHEDULES
+from lightning_pipe.schedules import register_schedules
 from lightning_pipe.timeline import TimelineOptions
 
 if TYPE_CHECKING:
@@ -84,7 +82,9 @@ class PipelineStrategy(WatchedCollectives, ParallelStrategy):
             pipeline_parallel_size`` (``2 *`` with two stages per process) and that the schedule accepts; 1 for a
             pipeline of one process (:func:`lightning_pipe.plan.default_num_microbatches`, ``docs/planner.md``).
         schedule: a ``torch.distributed.pipelining`` schedule by name: ``"1F1B"`` (default), ``"GPipe"``,
-            ``"Interleaved1F1B"``, ``"LoopedBFS"``, ``"InterleavedZeroBubble"``, ``"ZBVZeroBubble"``, ``"DualPipeV"``.
+            ``"Interleaved1F1B"``, ``"LoopedBFS"``, ``"InterleavedZeroBubble"``, ``"ZBVZeroBubble"``, ``"DualPipeV"``;
+            or ``"auto"``: predicted from each block's measured times and timed on the first training steps, with
+            ``num_microbatches="auto"`` searched too; the choice is logged and kept in checkpoints (docs/planner.md).
         stages_per_rank: virtual stages per process. ``"auto"``: 1 for 1F1B and GPipe, 2 for multi-stage schedules.
         backbone: the blocks to pipeline, by dotted path: an ``nn.Sequential`` the model calls, an
             ``nn.ModuleList``/``nn.Sequential``/``nn.ModuleDict`` its code loops over (``"model.layers"``), or a list
@@ -121,6 +121,8 @@ class PipelineStrategy(WatchedCollectives, ParallelStrategy):
             ``(block, tp_mesh)``, ``"auto"`` (a Hugging Face model's ``base_model_tp_plan``), or ``None``: what
             ``configure_model`` asks ``parallelize_module`` for on ``self.device_mesh["tensor_parallel"]`` (the
             modules outside the blocks and sequence parallelism included), applied to each rank's own stage.
+        max_memory: with ``schedule="auto"``, the bytes a process may hold (``"40GiB"``): predicted to need more, a
+            configuration is not tried. On a GPU, its memory when not given.
         timeline: trace one training step: ``True`` (``global_step`` 1), a step, a directory, or a dict or
             :class:`~lightning_pipe.timeline.TimelineOptions`. Rank 0 writes ``timeline.json`` (Perfetto) and
             ``timeline.png`` and logs the measured bubble. See ``docs/performance.md``.
@@ -153,6 +155,7 @@ class PipelineStrategy(WatchedCollectives, ParallelStrategy):
         reshard_after_forward: bool = False,
         tensor_parallel_size: int = 1,
         tensor_parallel_plan: TensorParallelPlan = None,
+        max_memory: Union[None, int, str] = None,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -164,7 +167,7 @@ class PipelineStrategy(WatchedCollectives, ParallelStrategy):
         self._options = validated_options(
             pipeline_parallel_size, data_parallel_size, num_microbatches, schedule, stages_per_rank, backbone, balance,
             activation_checkpointing, timeline, stall_timeout, check_data_every_n_batches, data_parallel,
-            data_parallel_shard_size, reshard_after_forward, tensor_parallel_size, tensor_parallel_plan,
+            data_parallel_shard_size, reshard_after_forward, tensor_parallel_size, tensor_parallel_plan, max_memory,
         )
         self._hooks_context: Optional[ExitStack] = None  # from setup to teardown
         self._configured = ConfigureModelCalls()  # what `configure_model` asked for ([Note: configure_model's calls])
@@ -180,8 +183,10 @@ class PipelineStrategy(WatchedCollectives, ParallelStrategy):
     # ------------------------------------------------------------------ properties
     @property
     def schedule(self) -> str:
-        """The name of the schedule the pipeline runs."""
-        return self._options.schedule.name
+        """The name of the schedule the pipeline runs (``"auto"`` until setup chooses)."""
+        if self._runtime is not None:
+            return self._runtime.schedule.name
+        return "auto" if self._options.auto else self._options.schedule.name
 
     @property
     def device_mesh(self) -> DeviceMesh:
@@ -286,8 +291,7 @@ class PipelineStrategy(WatchedCollectives, ParallelStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if not self.cluster_environment.creates_processes_externally:
-            launcher = _SubprocessScriptLauncher
-            self._launcher = launcher(self.cluster_environment, self.num_processes, self.num_nodes)
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     @override
     def setup_environment(self) -> None:
@@ -436,7 +440,7 @@ class PipelineStrategy(WatchedCollectives, ParallelStrategy):
         checkpoint = dict(checkpoint)
         local_states = _callbacks.local_states(checkpoint)
         _callbacks.merge_finetuning_metadata(checkpoint, all_gather)
-        stored_layout = _files.layout_record(cut.layout, self.data_parallel_size, cut.backbone.paths)
+        stored_layout = _files.layout_record(cut.layout, self.data_parallel_size, cut.backbone.paths, cut.choice)
         _dcp.save(
             checkpoint, self.broadcast(filepath), module=self.lightning_module, optimizers=self.optimizers,
             names=cut.names, layout=stored_layout, is_global_zero=self.is_global_zero,
@@ -451,6 +455,7 @@ class PipelineStrategy(WatchedCollectives, ParallelStrategy):
             fitting=module.trainer.state.fn == TrainerFn.FITTING, weights_only=weights_only,
             checkpoint_io=self.checkpoint_io, global_rank=self.global_rank,
             prepare=lambda checkpoint: _callbacks.before_restore(module.trainer, checkpoint, module),
+            chosen=self.runtime.keep_stored_choice,
         )
 
     @override
@@ -492,8 +497,4 @@ class PipelineStrategy(WatchedCollectives, ParallelStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        for spec in SCHEDULES.values():
-            description = f"Pipeline parallelism with the {spec.name} schedule"
-            for name in spec.strategy_names:
-                if name not in strategy_registry:
-                    strategy_registry.register(name, cls, description=description, schedule=spec.name)
+        register_schedules(cls, strategy_registry)

@@ -43,6 +43,10 @@ class PipelineOptions:
     reshard_after_forward: bool = False
     tensor_parallel_size: int = 1
     tensor_parallel_plan: Any = None
+    #: ``schedule="auto"``: ``schedule`` and ``stages_per_rank`` are placeholders until setup chooses
+    #: ([Note: configuration by measurement])
+    auto: bool = False
+    max_memory: Optional[int] = None  # bytes a process may hold, for ``schedule="auto"``
 
 
 def validated_options(
@@ -62,6 +66,7 @@ def validated_options(
     reshard_after_forward: Any = False,
     tensor_parallel_size: Any = 1,
     tensor_parallel_plan: Any = None,
+    max_memory: Any = None,
 ) -> PipelineOptions:
     """Check the constructor's arguments (raising ``ValueError`` that names the fix) and resolve ``"auto"`` where
     it does not depend on the processes."""
@@ -79,7 +84,17 @@ def validated_options(
             f"`PipelineStrategy(balance={balance!r})` is unknown. Use one of {list(BALANCE_MODES)} or a list"
             " with the number of backbone modules in each stage."
         )
-    spec = schedule_spec(schedule)
+    auto = str(schedule).lower() == "auto"
+    spec = schedule_spec("Interleaved1F1B" if auto else schedule)  # auto: looped schedules' stages per process
+    if max_memory is not None and not auto:
+        raise ValueError(
+            "`PipelineStrategy(max_memory=...)` bounds the configurations `schedule='auto'` considers; set"
+            " `schedule='auto'`, or drop the argument."
+        )
+    if max_memory is not None:
+        from lightning_pipe.plan import parse_bytes
+
+        max_memory = parse_bytes(max_memory)
     if stages_per_rank == "auto":
         stages_per_rank = spec.default_stages_per_rank()
     if not spec.multi_stage and stages_per_rank != 1:
@@ -134,5 +149,5 @@ def validated_options(
     return PipelineOptions(
         pipeline_parallel_size, data_parallel_size, num_microbatches, spec, stages_per_rank, backbone, balance,
         activation_checkpointing, TimelineOptions.resolve(timeline), seconds, every, data_parallel,
-        data_parallel_shard_size, reshard_after_forward, tp, tensor_parallel_plan,
+        data_parallel_shard_size, reshard_after_forward, tp, tensor_parallel_plan, auto, max_memory,
     )

@@ -86,6 +86,8 @@ class Cut:
         # What `_model/parallelize.py` applied to this rank's share after the cut (a `StageParallelism`), kept for the
         # strategy's next Trainer call on the module.
         self.parallelism: Any = None
+        #: ``schedule="auto"``'s configuration (an ``_step.auto.Config``), stored in checkpoints; ``None`` otherwise
+        self.choice: Any = None
         _refuse_shared_storage(module)
         self._place(module)
         self.flow = make_flow(structure, layout, [b.name for b in backbone.blocks])

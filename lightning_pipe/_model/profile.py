@@ -14,6 +14,7 @@ from __future__ import annotations
 import statistics
 import time
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
@@ -37,6 +38,25 @@ from lightning_pipe._model.calls import (
     slice_batch,
 )
 from lightning_pipe._model.untouched import untouched
+
+
+@dataclass(frozen=True)
+class BlockCost:
+    """One block's measured cost on one microbatch: seconds of forward, input gradient and weight gradient, and the
+    bytes its forward saves for the backward (activations, not parameters). The code before the backbone counts with
+    the first block (its backward as weight gradient), the code after it with the last (its backward as input
+    gradient: it runs before anything can be deferred)."""
+
+    forward: float
+    input_grad: float
+    weight_grad: float
+    saved_bytes: int
+    rows: int  # of the microbatch measured
+    batch_size: int  # of the batch it was cut from
+
+    @property
+    def total(self) -> float:
+        return self.forward + self.input_grad + self.weight_grad
 
 
 def first_batch(module: Any, batch_to_device: Callable[[Any], Any]) -> tuple[Callable[..., Any], tuple]:
@@ -74,7 +94,8 @@ def measure_backbone(
     microbatches_for: Callable[[int], int],
     step_context: Callable[[], AbstractContextManager],
     repeats: int = 3,
-) -> list[float]:
+    detail: bool = False,
+) -> Any:
     """``balance="time"``: every block's forward+backward seconds, measured on global rank 0 on one microbatch of
     the first batch and shared with every rank (a collective). The code before the backbone is counted with the
     first block, the code after it (head, loss) with the last: those stages run it too.
@@ -82,23 +103,36 @@ def measure_backbone(
     Args:
         rest: the step's arguments after the batch, as Lightning's loop passes them (:func:`first_batch`); the
             default is ``batch_idx=0``.
+        detail: return a :class:`BlockCost` per block instead (forward, input and weight gradient apart, and the
+            bytes saved for the backward), what ``schedule="auto"`` predicts from.
     """
     require_real_weights([module])  # every rank holds the whole model here, so every rank refuses
-    costs: Optional[list[float]] = None
+    costs: Optional[list[Any]] = None
     if not dist.is_initialized() or dist.get_rank() == 0:
         program = BlockRunners(module, backbone, structure, device)
         batch_size = program.batch_size_of(step, batch, *rest)
         rows = batch_size // microbatches_for(batch_size)
         sub_args = (slice_batch(batch, batch_size, 0, rows), *rest)
-        samples: list[list[float]] = []
+        samples: list[_Profiled] = []
         with untouched(module, device, drop_grads=True), step_context():
             for attempt in range(repeats + 1):
                 timed = _profile_step(program, step, sub_args, device)
                 if attempt:  # the first run warms up
                     samples.append(timed)
-        costs = [statistics.median(column) for column in zip(*samples)]
-        shown = ", ".join(f"{c * 1e3:.2f}" for c in costs)
-        rank_zero_info(f"PipelineStrategy: forward+backward ms per block: {shown}")
+        if detail:
+            costs = [
+                BlockCost(*(statistics.median(getattr(s, name)[i] for s in samples) for name in
+                            ("forward", "input_grad", "weight_grad")), samples[-1].saved[i], rows,
+                          batch_size)
+                for i in range(len(program.backbone))
+            ]
+            shown = ", ".join(f"{c.forward * 1e3:.2f}/{c.input_grad * 1e3:.2f}/{c.weight_grad * 1e3:.2f}"
+                              for c in costs)
+            rank_zero_info(f"PipelineStrategy: forward/input-gradient/weight-gradient ms per block: {shown}")
+        else:
+            costs = [statistics.median(column) for column in zip(*(s.costs for s in samples))]
+            shown = ", ".join(f"{c * 1e3:.2f}" for c in costs)
+            rank_zero_info(f"PipelineStrategy: forward+backward ms per block: {shown}")
     if dist.is_initialized() and dist.get_world_size() > 1:
         box = [costs]
         dist.broadcast_object_list(box, src=0)
@@ -107,8 +141,8 @@ def measure_backbone(
     return costs
 
 
-def _profile_step(program: BlockRunners, step: Callable[..., Any], args: tuple, device: torch.device) -> list[float]:
-    """One run of ``step(*args)`` (one microbatch) with every block timed on ``device``; returns the costs per block."""
+def _profile_step(program: BlockRunners, step: Callable[..., Any], args: tuple, device: torch.device) -> _Profiled:
+    """One run of ``step(*args)`` (one microbatch) with every block timed on ``device``; returns the timings."""
     run = _Profiled(program, device)
     with program.running(run):
         program.module.to(device)  # the blocks are runners now: this moves only what is outside the backbone
@@ -118,13 +152,15 @@ def _profile_step(program: BlockRunners, step: Callable[..., Any], args: tuple, 
             result = step(*args)
         _sync(device)
         post = time.perf_counter() - run.mark
+        run.forward[-1] += post
         if torch.is_grad_enabled() and isinstance(result, (torch.Tensor, dict)):
             start = time.perf_counter()
             loss_of(result).backward()
             _sync(device)
+            run.input_grad[-1] += time.perf_counter() - start
             post += time.perf_counter() - start
     run.costs[-1] += post
-    return run.costs
+    return run
 
 
 class _Profiled(BlockCalls):
@@ -133,18 +169,23 @@ class _Profiled(BlockCalls):
     def __init__(self, program: BlockRunners, device: torch.device) -> None:
         super().__init__(program)
         self.device = device
-        self.costs = [0.0] * len(program.backbone)
+        n = len(program.backbone)
+        self.costs = [0.0] * n
+        self.forward, self.input_grad, self.weight_grad = [0.0] * n, [0.0] * n, [0.0] * n
+        self.saved = [0] * n
         self.mark = 0.0
 
     def on_block(self, index: int, block: nn.Module, args: tuple, kwargs: dict, at: HiddenAt, hidden: Any) -> Any:
         if index == 0:  # the code before the backbone: its forward so far, and its backward
             _sync(self.device)
             self.costs[0] += time.perf_counter() - self.mark
+            self.forward[0] += time.perf_counter() - self.mark
             if isinstance(hidden, torch.Tensor) and hidden.requires_grad:
                 start = time.perf_counter()
                 torch.autograd.backward(hidden, torch.ones_like(hidden))
                 _sync(self.device)
                 self.costs[0] += time.perf_counter() - start
+                self.weight_grad[0] += time.perf_counter() - start
         home = next((t.device for t in block.parameters()), None) or next((t.device for t in block.buffers()), None)
         block.to(self.device)
         detached = hidden.detach()
@@ -154,14 +195,29 @@ class _Profiled(BlockCalls):
         cut = tree_map(lambda t: t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t,
                        (args, kwargs))
         call_args, call_kwargs = replace_hidden(*cut, at, inp)
+        weights = {t.data_ptr() for t in block.parameters()}
+        saved = [0]
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            if t.data_ptr() not in weights:
+                saved[0] += t.numel() * t.element_size()
+            return t
+
         with untouched(block, self.device, drop_grads=True):
             _sync(self.device)
             start = time.perf_counter()
-            out = block(*call_args, **call_kwargs)
-            if torch.is_grad_enabled():
-                self.program.hidden_of(index, out).float().sum().backward()
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = block(*call_args, **call_kwargs)
             _sync(self.device)
-            self.costs[index] += time.perf_counter() - start
+            forward = time.perf_counter() - start
+            backward = (0.0, 0.0)
+            if torch.is_grad_enabled():
+                backward = self._backward(self.program.hidden_of(index, out).float().sum(), inp)
+            self.costs[index] += forward + sum(backward)
+            self.forward[index] += forward
+            self.input_grad[index] += backward[0]
+            self.weight_grad[index] += backward[1]
+            self.saved[index] = saved[0]
         # What the step goes on with: the timed call's output, cut from its graph. The block is not called twice, so
         # an argument with state (an encoder-decoder's cache of keys and values) sees each call once, as in the step.
         out = tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out)
@@ -173,6 +229,22 @@ class _Profiled(BlockCalls):
             _sync(self.device)
             self.mark = time.perf_counter()
         return out
+
+
+    def _backward(self, loss: torch.Tensor, inp: torch.Tensor) -> tuple[float, float]:
+        """Time the input gradient alone (what zero-bubble schedules run first), then the whole backward; the weight
+        gradient is the difference. Returns both."""
+        input_grad = 0.0
+        if inp.requires_grad:
+            start = time.perf_counter()
+            torch.autograd.grad(loss, inp, retain_graph=True, allow_unused=True)
+            _sync(self.device)
+            input_grad = time.perf_counter() - start
+        start = time.perf_counter()
+        loss.backward()
+        _sync(self.device)
+        whole = time.perf_counter() - start
+        return min(input_grad, whole), max(whole - input_grad, 0.0)
 
 
 def require_real_weights(modules: list[nn.Module]) -> None:

@@ -24,7 +24,7 @@ from lightning_pipe._model.calls import Structure
 from lightning_pipe._model.cut import Cut
 from lightning_pipe._model.structure import analyze
 from lightning_pipe.partition import make_layout
-from lightning_pipe.schedules import ScheduleSpec
+from lightning_pipe.schedules import ScheduleSpec, schedule_spec
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +72,7 @@ def split_module(
     fitting: bool,
     sample: Callable[[], tuple[Callable[..., Any], tuple]],
     measure: Callable[..., list[float]],
+    choose: Optional[Callable[..., tuple[Any, list[float]]]] = None,
 ) -> Cut:
     """Cut ``module`` for this rank; returns the :class:`~lightning_pipe._model.cut.Cut`.
 
@@ -80,9 +81,14 @@ def split_module(
             the device, the batch first (the step is analysed on them).
         measure: ``(backbone, structure, step, batch, rest=<the arguments after the batch>) -> seconds per
             block``, for ``balance="time"``.
+        choose: ``schedule="auto"`` ([Note: configuration by measurement]): ``(backbone, structure, step, args,
+            parameter_costs) -> (config, costs)``, the configuration to cut for and the costs to balance with; the
+            cut keeps the configuration (``cut.choice``).
     """
     pp, rank, style = pipeline_parallel_size, pipeline_rank, schedule.placement
     previous = _cuts.get(module)
+    if previous is not None and choose is not None and previous.choice is not None:
+        return previous  # `schedule="auto"` keeps what it chose for the module
     if previous is not None:
         layout = previous.layout
         if (layout.pipeline_size, layout.stages_per_rank, layout.style) != (pp, stages_per_rank, style):
@@ -94,12 +100,18 @@ def split_module(
         return previous
     step, args = sample()
     backbone, structure = _backbone_of(module, backbone_spec, step, args, device, fitting)
-    if balance == "time":
+    choice = None
+    if choose is not None:
+        choice, costs = choose(backbone, structure, step, args, _parameter_costs(module, backbone, structure))
+        schedule, stages_per_rank = schedule_spec(choice.schedule), choice.stages_per_rank
+        style = schedule.placement
+    elif balance == "time":
         costs = measure(backbone, structure, step, args[0], rest=args[1:])
     else:
         costs = _parameter_costs(module, backbone, structure)
     layout = make_layout(costs, pp, stages_per_rank, balance, style)
     cut = Cut(module, backbone, structure, layout)
+    cut.choice = choice
     cut.keep_only(rank, device)
     _cuts[module] = cut
     rank_zero_info(f"PipelineStrategy ({schedule.name}): {layout.describe()}")

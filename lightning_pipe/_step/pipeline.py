@@ -184,6 +184,14 @@ class StagePipeline:
     def has_last_stage(self) -> bool:
         return self.pipeline_rank == self.last_stage_rank
 
+    def use(self, schedule: ScheduleSpec, num_microbatches: int) -> None:
+        """Run ``schedule`` (of this layout's placement) from now on; the schedules built so far are dropped, and the
+        stage shapes kept (no collective: see [Note: stage shapes])."""
+        self.schedule = schedule
+        self.schedule_class = get_schedule_class(schedule.name)
+        self.num_microbatches = num_microbatches
+        self._schedules.clear()
+
     def check_schedule(self) -> None:
         """Build the schedule once for the configured microbatch count so torch's own checks run at setup."""
         self._make_schedule(self._make_stages(None, training=True), self.num_microbatches, training=True)

@@ -29,13 +29,14 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 
@@ -53,6 +54,7 @@ from lightning_pipe._model.cut import Cut
 from lightning_pipe._model.shard import StageSharding
 from lightning_pipe._model.structure import everything_ghosted
 from lightning_pipe._model.untouched import untouched
+from lightning_pipe._step.auto import Config, Trial, describe_choice
 from lightning_pipe._step.gradients import Gradients
 from lightning_pipe._step.last_backward import ReductionOverlap
 from lightning_pipe._step.loss_weights import LossWeighing, warn_unweighted, whole
@@ -61,7 +63,7 @@ from lightning_pipe._step.pipeline import StageModule, StagePipeline
 from lightning_pipe._step.program import StepProgram
 from lightning_pipe._step.sharded import ShardedStages
 from lightning_pipe.partition import StageLayout
-from lightning_pipe.schedules import ScheduleSpec
+from lightning_pipe.schedules import ScheduleSpec, schedule_spec
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +109,7 @@ class PipelineRuntime:
         scale_group: Optional[dist.ProcessGroup] = None,
         tensor_group: Optional[dist.ProcessGroup] = None,
         through_override: Optional[Callable[[Callable[[], Any]], Any]] = None,
+        trial: Optional[Trial] = None,
     ) -> None:
         sharding = ShardedStages.of(sharding) if sharding is not None else None  # with its per-batch calls
         self.module = module
@@ -146,6 +149,7 @@ class PipelineRuntime:
         self._timeline_done = False
         self._trainable_checked: Optional[int] = None
         self._mean_warned = False
+        self.trial = trial  # `schedule="auto"`'s first steps ([Note: configuration by measurement])
 
     @property
     def layout(self) -> StageLayout:
@@ -157,10 +161,57 @@ class PipelineRuntime:
         self._train_channel.wait()
         self._eval_channel.wait()
 
+    def use(self, config: Config) -> None:
+        """Run ``config`` from the next batch on: a schedule of the cut's placement, and its microbatch count."""
+        spec = schedule_spec(config.schedule)
+        if (spec, config.num_microbatches) == (self.schedule, self.microbatches.requested):
+            return
+        self.schedule = spec
+        self.microbatches = MicrobatchPolicy(
+            config.num_microbatches, spec, self.layout.pipeline_size, self.layout.stages_per_rank
+        )
+        self.pipeline.use(spec, self.microbatches.nominal)
+        self.cut.choice = config
+
+    def keep_stored_choice(self, record: Any) -> None:
+        """A resumed ``schedule="auto"`` run keeps the configuration its checkpoint stores instead of timing again,
+        when the cut has its placement (setup predicted the same); ``record`` is from disk, so checked."""
+        config = Config.from_record(record)
+        if self.cut.choice is None or config is None:
+            return
+        if config.placement != (self.layout.style, self.layout.stages_per_rank):
+            rank_zero_warn(
+                f"PipelineStrategy(schedule='auto'): the checkpoint chose {config.arguments()}, but this run predicted"
+                f" another placement ({self.layout.describe()}), so it chooses again. Pass those arguments to keep it."
+            )
+            return
+        self.use(config)
+        self.trial = None
+        rank_zero_info(f"PipelineStrategy(schedule='auto'): keeping the checkpoint's choice, {config.arguments()}.")
+
     # ------------------------------------------------------------------------------------------------ training
     def train_batch(self, batch: Any, *rest: Any, **kwargs: Any) -> Tensor:
         """Forward and backward of one training batch; returns the full-batch loss on every rank. The gradients are
-        kept aside until :meth:`Gradients.hand_back`."""
+        kept aside until :meth:`Gradients.hand_back`. While ``schedule="auto"`` times its candidates, each batch runs
+        the candidate of its turn, and the choice is made after the last."""
+        trial = self.trial
+        if trial is None or not trial.running:
+            return self._train_batch(batch, *rest, **kwargs)
+        self.use(trial.current())
+        measure_peak = self.device.type == "cuda"
+        if measure_peak:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        start = time.perf_counter()
+        loss = self._train_batch(batch, *rest, **kwargs)
+        elapsed = time.perf_counter() - start
+        trial.record(elapsed, torch.cuda.max_memory_allocated(self.device) if measure_peak else None)
+        if trial.finished:
+            self.use(trial.decide(self.device))
+            rank_zero_info(describe_choice(trial))
+            self.trial = None
+        return loss
+
+    def _train_batch(self, batch: Any, *rest: Any, **kwargs: Any) -> Tensor:
         module, program, pipeline = self.module, self.program, self.pipeline
         self._check_trainable()
         self._check_same_data("training", batch, rest, kwargs)

@@ -122,6 +122,11 @@ class ScheduleCache:
         )
         return evicted
 
+    def clear(self) -> None:
+        """Forget every schedule (another schedule class runs from now on)."""
+        self._kept.clear()
+        self._count()
+
     def drop(self, schedule: Any) -> None:
         """Forget ``schedule`` (its step raised), wherever it is kept."""
         keys = [key for key, kept in self._kept.items() if kept is schedule]

@@ -179,13 +179,15 @@ def load(
     checkpoint_io: Any,
     global_rank: int,
     prepare: Optional[Callable[[dict[str, Any]], None]] = None,
+    chosen: Optional[Callable[[Any], None]] = None,
 ) -> dict[str, Any]:
     """Load a checkpoint into ``module`` and ``optimizers`` in place; return the rest for Lightning.
 
     ``filepath`` is a pipelined checkpoint directory (any pipeline layout) or an ordinary single-file Lightning
     checkpoint, of which each rank takes its stages' weights (and, when ``fitting``, their optimizer state).
     ``prepare`` sees the checkpoint before the optimizers are restored (callbacks rebuild parameter groups there).
-    Per-rank state dicts (``_local``) come back with this rank's tensors.
+    Per-rank state dicts (``_local``) come back with this rank's tensors. ``chosen`` gets the stored
+    ``schedule="auto"`` choice (unchecked: a record from disk), or ``None``.
     """
     path, checkpoint, metadata = _read_on_every_rank(Path(filepath), weights_only, global_rank)
     strict = module.strict_loading
@@ -194,6 +196,8 @@ def load(
         return _load_file(path, module, optimizers, names, weights_only, checkpoint_io, global_rank, prepare)
     info = checkpoint.pop(INFO_KEY, None) or {}
     checkpoint.pop("pipeline_layout", None)
+    if chosen is not None:
+        chosen((info.get("pipeline_layout") or {}).get("auto") if isinstance(info, dict) else None)
     local = module.state_dict()
     weights = {names.stored(k): v for k, v in local.items()}
     state: dict[str, Any] = {"state_dict": weights}

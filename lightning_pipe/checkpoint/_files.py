@@ -76,10 +76,13 @@ def write_meta(meta: dict[str, Any], path: Path) -> None:
         os.fsync(f.fileno())
 
 
-def layout_record(layout: StageLayout, data_parallel_size: int, backbone: Sequence[str]) -> dict[str, Any]:
+def layout_record(
+    layout: StageLayout, data_parallel_size: int, backbone: Sequence[str], choice: Any = None
+) -> dict[str, Any]:
     """The pipeline layout a checkpoint is saved with, as :func:`layout_of` reads it back: the stage ``bounds``, the
-    sizes, the placement style and the backbone's paths."""
+    sizes, the placement style and the backbone's paths; and ``schedule="auto"``'s choice (``auto``), if any."""
     return {
+        **({"auto": choice.record()} if choice is not None else {}),
         "bounds": [list(b) for b in layout.bounds],
         "pipeline_parallel_size": layout.pipeline_size,
         "data_parallel_size": data_parallel_size,

@@ -37,11 +37,14 @@ class Prediction:
         step_time: seconds from the first action to the last, over all ranks.
         busy: seconds each rank computes.
         ideal: the step time without idling: the busiest rank's compute, ``m * (F + B + W)`` of its stages.
+        in_flight: for each stage, the most microbatches whose activations it held at once (from a forward to the
+            backward, or weight gradient, that frees them): what the schedule's activation memory scales with.
     """
 
     step_time: float
     busy: tuple[float, ...]
     ideal: float
+    in_flight: tuple[int, ...] = ()
 
     @property
     def bubble(self) -> float:
@@ -92,6 +95,8 @@ def simulate(
     if num_stages == p:  # one stage per rank: see _in_order
         queues = [_in_order(queue) for queue in queues]
     position = [0] * p
+    held = [0] * num_stages
+    most = [0] * num_stages
     while any(position[r] < len(queues[r]) for r in range(p)):
         progressed = False
         for r in range(p):
@@ -108,14 +113,18 @@ def simulate(
                 kind = _kind(action)
                 if kind == "F":
                     forward_done[key] = clock[r]
+                    held[action.stage_index] += 1
+                    most[action.stage_index] = max(most[action.stage_index], held[action.stage_index])
                 elif kind in ("I", "B"):
                     input_done[key] = clock[r]
+                if kind in ("B", "W"):  # what a forward saved is freed once nothing of its backward is left
+                    held[action.stage_index] -= 1
                 position[r] += 1
                 progressed = True
         if not progressed:
             raise RuntimeError(f"The simulation of {schedule} stalled: torch's order waits on an action never run.")
     ideal = max(busy)
-    return Prediction(step_time=max(clock), busy=tuple(busy), ideal=ideal)
+    return Prediction(step_time=max(clock), busy=tuple(busy), ideal=ideal, in_flight=tuple(most))
 
 
 def _in_order(queue: list) -> list:

@@ -1,0 +1,327 @@
+"""``PipelineStrategy(schedule="auto")``: the schedule, stages per process and microbatch count chosen by measurement.
+
+[Note: configuration by measurement] Every schedule computes the same gradients (the tests hold each to 1e-5 of one
+device), so which one runs is a question of speed and memory only, and the first training steps can try candidates
+on real batches without changing what is trained.
+
+1. **Predict** (at setup, :func:`predict`). Each block's forward, input-gradient and weight-gradient times and the
+   bytes its forward saves are measured on one microbatch of the first batch (``_model/profile.py``). For every
+   candidate (each schedule with its stages per process, times each microbatch count the batch splits into), the
+   stages' costs are summed over the blocks the cut would give them, scaled to the candidate's microbatch size, and
+   :func:`lightning_pipe.plan.simulate` plays torch's order of actions for that schedule against them, with
+   :data:`ACTION_OVERHEAD_S` per action. The same play counts the microbatches each stage holds at once, which with
+   the saved bytes and four copies of the parameters (weights, gradients, two optimizer moments) gives the peak
+   memory of the fullest process. Candidates over ``max_memory`` (on a GPU, its memory if not given) are dropped.
+2. **Cut** for the best prediction's placement (looped or V-shaped, its stages per process): one cut serves every
+   schedule with that placement.
+3. **Time** (:class:`Trial`) the best :data:`TIMED` candidates of that placement on the first training steps,
+   :data:`WARMUP` + :data:`STEPS` each, every rank the same candidate at the same step. The slowest rank's mean
+   (an all-reduce, once all are timed) is a candidate's measured step time; the fastest is kept for the rest of the
+   run, and one table is logged with the explicit arguments that pin it.
+
+Candidates of another placement would need another cut, so they are chosen between by prediction alone, and the table
+says so. The choice is stored in checkpoints (``auto`` in the stored layout), and a resume reads it at setup instead of
+searching again. With BatchNorm, whose statistics are per microbatch, the microbatch count stays today's rule and only
+the schedule is searched.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from lightning_pipe._step.microbatches import default_num_microbatches, divisors
+from lightning_pipe.partition import StageLayout
+from lightning_pipe.schedules import SCHEDULE_NAMES, schedule_spec
+
+log = logging.getLogger(__name__)
+
+#: Seconds the runtime spends around each action of a schedule (posting transfers, the step's bookkeeping): what
+#: makes ever more microbatches cost more. ``benchmarks/predicted.py`` fits it on CPU processes; the timed steps
+#: correct for it wherever it is off.
+ACTION_OVERHEAD_S = 1e-3
+#: Candidates timed on the first training steps, and steps each: the first of a candidate builds its schedule.
+TIMED, WARMUP, STEPS = 3, 1, 2
+#: Copies of each parameter's bytes a process holds: the weight, its gradient and two optimizer moments (Adam).
+PARAMETER_COPIES = 4
+#: Microbatch counts tried at most, those nearest the default rule's count.
+MAX_COUNTS = 5
+#: Rows of the logged table: the timed candidates, then the best predicted of the others.
+TABLE_ROWS = 10
+
+
+@dataclass(frozen=True)
+class Config:
+    """One configuration: a schedule, its stages per process, and the microbatch count of a full batch (``"auto"``:
+    the default rule, for an evaluation alone)."""
+
+    schedule: str
+    stages_per_rank: int
+    num_microbatches: Any
+
+    @property
+    def placement(self) -> tuple[str, int]:
+        return schedule_spec(self.schedule).placement, self.stages_per_rank
+
+    def arguments(self) -> str:
+        """The ``PipelineStrategy`` arguments that pin it."""
+        return (f"schedule={self.schedule!r}, stages_per_rank={self.stages_per_rank},"
+                f" num_microbatches={self.num_microbatches}")
+
+    def resolve(self, options: Any) -> Any:
+        """``options`` with this configuration in place of ``"auto"``."""
+        return replace(options, schedule=schedule_spec(self.schedule), stages_per_rank=self.stages_per_rank,
+                       num_microbatches=self.num_microbatches)
+
+    def record(self) -> dict[str, Any]:
+        return {"schedule": self.schedule, "stages_per_rank": self.stages_per_rank,
+                "num_microbatches": self.num_microbatches}
+
+    @classmethod
+    def from_record(cls, record: Any) -> Optional[Config]:
+        """A stored choice, or ``None`` when ``record`` is not one (checkpoints are untrusted input)."""
+        if not isinstance(record, dict):
+            return None
+        name, v, m = record.get("schedule"), record.get("stages_per_rank"), record.get("num_microbatches")
+        if name not in SCHEDULE_NAMES or not all(isinstance(x, int) and not isinstance(x, bool) and x > 0
+                                                 for x in (v, m)):
+            return None
+        return cls(name, v, m)
+
+
+@dataclass
+class Candidate:
+    """A configuration with its prediction and, once timed, its measurement (seconds, bytes)."""
+
+    config: Config
+    predicted: float
+    idle: float
+    memory: int
+    measured: Optional[float] = None
+    samples: list[float] = field(default_factory=list)
+    peak: Optional[int] = None
+
+
+def predict(
+    costs: Sequence[Any],
+    params: Sequence[float],
+    pipeline_size: int,
+    batch_size: int,
+    layout_for: Callable[[int, str], StageLayout],
+    *,
+    num_microbatches: Any,
+    stages_per_rank: int,
+    fixed_count: bool,
+    max_memory: Optional[int],
+) -> list[Candidate]:
+    """Every candidate that fits, best predicted first (see [Note: configuration by measurement]).
+
+    Args:
+        costs: a :class:`~lightning_pipe._model.profile.BlockCost` per block.
+        params: parameter bytes per block (those outside the blocks counted with the block whose stage holds them).
+        layout_for: the cut's stage bounds for ``(stages_per_rank, style)``.
+        num_microbatches: the user's count, or ``"auto"`` to search.
+        stages_per_rank: for the looped multi-stage schedules.
+        fixed_count: keep the default rule's count (BatchNorm).
+        max_memory: bytes a process may hold, or ``None``.
+    """
+    p = pipeline_size
+    candidates, dropped = [], []
+    for name in SCHEDULE_NAMES:
+        spec = schedule_spec(name)
+        v = spec.fixed_stages_per_rank or stages_per_rank
+        try:
+            layout = layout_for(v, spec.placement)
+        except ValueError:  # fewer blocks than stages
+            continue
+        for m in _counts(name, p, v, batch_size, num_microbatches, fixed_count):
+            candidate = _predicted(Config(name, v, m), layout, costs, params, batch_size)
+            (dropped if max_memory is not None and candidate.memory > max_memory else candidates).append(candidate)
+    if not candidates:
+        from lightning_pipe.plan import format_bytes
+
+        least = min(dropped, key=lambda c: c.memory) if dropped else None
+        raise ValueError(
+            "`PipelineStrategy(schedule='auto')` found no configuration that fits"
+            + (f" in {format_bytes(max_memory)} per process: the smallest needs {format_bytes(least.memory)}"
+               f" ({least.config.arguments()})" if least is not None and max_memory is not None else "")
+            + ". Raise `max_memory`, use more pipeline processes, or use smaller batches."
+        )
+    for c in dropped:
+        log.debug("schedule='auto': %s needs %d bytes, over max_memory", c.config, c.memory)
+    return sorted(candidates, key=lambda c: c.predicted)
+
+
+def _counts(name: str, p: int, v: int, batch_size: int, requested: Any, fixed_count: bool) -> list[int]:
+    spec = schedule_spec(name)
+    if requested != "auto":
+        return [requested] if spec.accepts(requested, p, v) and batch_size % requested == 0 else []
+    try:
+        default = default_num_microbatches(batch_size, p, v, name)
+    except ValueError:
+        return []
+    if fixed_count:
+        return [default]
+    accepted = [d for d in divisors(batch_size) if spec.accepts(d, p, v)]
+    return sorted(sorted(accepted, key=lambda d: abs(math.log(d / default)))[:MAX_COUNTS])
+
+
+def _predicted(config: Config, layout: StageLayout, costs: Sequence[Any], params: Sequence[float],
+               batch_size: int) -> Candidate:
+    from lightning_pipe.plan import StageCosts, simulate
+
+    rows = batch_size // config.num_microbatches
+    stages, saved, held = [], [], []
+    for start, stop in layout.bounds:
+        blocks = costs[start:stop]
+        scale = rows / blocks[0].rows
+        stages.append(StageCosts(*(scale * sum(getattr(b, n) for b in blocks)
+                                   for n in ("forward", "input_grad", "weight_grad"))))
+        saved.append(scale * sum(b.saved_bytes for b in blocks))
+        held.append(PARAMETER_COPIES * sum(params[start:stop]))
+    run = simulate(config.schedule, layout.pipeline_size, config.num_microbatches, stages,
+                   overhead=ACTION_OVERHEAD_S)
+    memory = max(
+        sum(held[s] + run.in_flight[s] * saved[s] for s in layout.rank_stages(r)) for r in range(layout.pipeline_size)
+    )
+    return Candidate(config, run.step_time, run.bubble, int(memory))
+
+
+class Trial:
+    """The first training steps of a ``schedule="auto"`` run: which candidate each step runs, and the choice.
+
+    Args:
+        candidates: every predicted candidate, best first; those of ``candidates[0]``'s placement are timed.
+    """
+
+    def __init__(self, candidates: list[Candidate]) -> None:
+        self.candidates = candidates
+        best = candidates[0].config.placement
+        self.timed = [c for c in candidates if c.config.placement == best][:TIMED]
+        self._step = 0
+        self.chosen: Optional[Config] = None if len(self.timed) > 1 else self.timed[0].config
+
+    @property
+    def running(self) -> bool:
+        return self.chosen is None
+
+    def current(self) -> Config:
+        return self.timed[min(self._step // (WARMUP + STEPS), len(self.timed) - 1)].config
+
+    def record(self, seconds: float, peak: Optional[int]) -> None:
+        candidate = self.timed[self._step // (WARMUP + STEPS)]
+        if self._step % (WARMUP + STEPS) >= WARMUP:
+            candidate.samples.append(seconds)
+            if peak is not None:
+                candidate.peak = max(candidate.peak or 0, peak)
+        self._step += 1
+
+    @property
+    def finished(self) -> bool:
+        return self._step >= len(self.timed) * (WARMUP + STEPS)
+
+    def decide(self, device: torch.device) -> Config:
+        """The fastest timed candidate, from every rank's times (the slowest rank's mean: a collective)."""
+        means = torch.tensor([sum(c.samples) / len(c.samples) for c in self.timed], dtype=torch.float64,
+                             device=device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(means, op=dist.ReduceOp.MAX)
+        for c, t in zip(self.timed, means.tolist()):
+            c.measured = t
+        self.chosen = min(self.timed, key=lambda c: c.measured).config  # type: ignore[arg-type,return-value]
+        return self.chosen
+
+    def table(self) -> str:
+        """The logged table: every candidate, predicted and measured step time, idle fraction, peak memory."""
+        from lightning_pipe.plan import format_bytes
+
+        assert self.chosen is not None
+        rows = [("", "schedule", "v", "m", "predicted", "measured", "idle", "memory (predicted)", "peak (measured)")]
+        others = [c for c in self.candidates if c.measured is None]
+        shown = [c for c in self.candidates if c.measured is not None or c in others[: TABLE_ROWS - len(self.timed)]]
+        for c in shown:
+            timed = c.measured is not None
+            idle = 1.0 - (c.predicted * (1.0 - c.idle)) / c.measured if timed else c.idle  # type: ignore[operator]
+            rows.append((
+                "*" if c.config == self.chosen else "", c.config.schedule, str(c.config.stages_per_rank),
+                str(c.config.num_microbatches), f"{c.predicted * 1e3:.1f} ms",
+                f"{c.measured * 1e3:.1f} ms" if timed else "not timed",  # type: ignore[operator]
+                f"{idle:.0%}", format_bytes(c.memory), format_bytes(c.peak) if c.peak is not None else "-",
+            ))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
+        if len(shown) < len(self.candidates):
+            lines.append(f"   ({len(self.candidates) - len(shown)} more untimed candidates, predicted slower)")
+        return "\n".join(lines)
+
+
+def describe_choice(trial: Trial) -> str:
+    assert trial.chosen is not None
+    timed = sum(c.measured is not None for c in trial.candidates)
+    return (
+        f"PipelineStrategy(schedule='auto'): timed {timed} candidates of the best predicted placement on the first"
+        f" {timed * (WARMUP + STEPS)} training steps ({WARMUP} warm-up + {STEPS} timed each; the others are"
+        f" predicted only, as they need another cut). Keeping {trial.chosen.arguments()}; pass these to"
+        f" `PipelineStrategy` to pin it. Idle is 1 - busy / step time, the busy time from the per-block profile.\n"
+        + trial.table()
+    )
+
+
+class Chooser:
+    """What ``split_module`` asks at setup for ``schedule="auto"``: measure, predict, and the configuration to cut for;
+    keeps the :class:`Trial` for the runtime.
+
+    Args:
+        options: the strategy's options.
+        pipeline_size: processes per pipeline.
+        measure: ``_model/profile.py``'s ``measure_backbone`` bound to the module and device.
+        module: the LightningModule (BatchNorm keeps the microbatch count fixed).
+        device: where training runs (on a GPU, its memory bounds the candidates unless ``max_memory`` does).
+        fitting: whether the ``Trainer`` call trains; an evaluation alone runs today's defaults, untimed.
+    """
+
+    def __init__(self, options: Any, pipeline_size: int, measure: Callable[..., Any], module: torch.nn.Module,
+                 device: torch.device, fitting: bool) -> None:
+        self.options, self.pipeline_size, self.measure = options, pipeline_size, measure
+        self.module, self.device, self.fitting = module, device, fitting
+        self.trial: Optional[Trial] = None
+
+    def __call__(self, backbone: Any, structure: Any, step: Callable[..., Any], args: tuple,
+                 parameter_costs: list[float]) -> tuple[Config, list[float]]:
+        from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+        from lightning_pipe.partition import make_layout
+
+        options, p = self.options, self.pipeline_size
+        if not self.fitting:
+            rank_zero_info("PipelineStrategy(schedule='auto'): an evaluation alone runs 1F1B; fit to choose.")
+            return Config("1F1B", 1, options.num_microbatches), parameter_costs
+        measured = self.measure(backbone, structure, step, args[0], rest=args[1:], detail=True)
+        costs = [c.total for c in measured] if options.balance == "time" else parameter_costs
+        width = next((t.element_size() for t in self.module.parameters()), 4)
+        batch_size = measured[0].batch_size
+        batchnorm = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in self.module.modules())
+        budget = options.max_memory
+        if budget is None and self.device.type == "cuda":
+            budget = torch.cuda.get_device_properties(self.device).total_memory
+        candidates = predict(
+            measured, [c * width for c in parameter_costs], p, batch_size,
+            lambda v, style: make_layout(costs, p, v, options.balance, style),
+            num_microbatches=options.num_microbatches, stages_per_rank=options.stages_per_rank,
+            fixed_count=batchnorm, max_memory=budget,
+        )
+        self.trial = Trial(candidates)
+        best = candidates[0].config
+        rank_zero_info(
+            f"PipelineStrategy(schedule='auto'): {len(candidates)} candidates predicted for batches of {batch_size};"
+            f" cutting for {best.schedule}'s placement ({best.stages_per_rank} stages per process); timing"
+            f" {', '.join(f'{c.config.schedule} (m={c.config.num_microbatches})' for c in self.trial.timed)} on the"
+            " first training steps."
+        )
+        return best, costs

@@ -1,0 +1,158 @@
+"""``PipelineStrategy(schedule="auto")`` ([Note: configuration by measurement]): the prediction, the choice, the table,
+the stored choice, and one 4-process run on the costed model of ``benchmarks/costed.py`` that trains exactly as the
+chosen schedule set explicitly."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_pipe import PipelineStrategy
+from lightning_pipe._model.profile import BlockCost
+from lightning_pipe._step.auto import Candidate, Config, Trial, predict
+from lightning_pipe.partition import make_layout
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from helpers import run_script  # noqa: E402
+
+
+def _predict(forward_ms: float, input_ms: float, weight_ms: float, *, batch: int = 32, measured_rows: int = 4,
+             blocks: int = 8, num_microbatches="auto", max_memory=None, saved: int = 1000) -> list[Candidate]:
+    """Candidates for ``blocks`` equal blocks on 4 processes; costs per microbatch of ``measured_rows`` rows."""
+    cost = BlockCost(forward_ms / 1e3, input_ms / 1e3, weight_ms / 1e3, saved, measured_rows, batch)
+    return predict(
+        [cost] * blocks, [1000.0] * blocks, 4, batch,
+        lambda v, style: make_layout([1.0] * blocks, 4, v, "uniform", style),
+        num_microbatches=num_microbatches, stages_per_rank=2, fixed_count=False, max_memory=max_memory,
+    )
+
+
+def _by_schedule(candidates: list[Candidate]) -> dict[str, Candidate]:
+    best: dict[str, Candidate] = {}
+    for c in candidates:
+        best.setdefault(c.config.schedule, c)
+    return best
+
+
+def test_the_choice_follows_the_weight_gradient_cost():
+    """With the weight gradient three times the forward, the zero-bubble schedules lead by far; with none, they do not:
+    the predicted best changes with the costs."""
+    heavy = _by_schedule(_predict(8, 8, 24, batch=8, measured_rows=2, num_microbatches=4))
+    assert next(iter(heavy)) == "InterleavedZeroBubble"
+    assert heavy["Interleaved1F1B"].predicted > 1.15 * heavy["InterleavedZeroBubble"].predicted
+    assert heavy["1F1B"].predicted > 1.4 * heavy["InterleavedZeroBubble"].predicted
+    light = _by_schedule(_predict(8, 8, 0, batch=8, measured_rows=2, num_microbatches=4))
+    assert next(iter(light)) in ("Interleaved1F1B", "LoopedBFS")
+    assert light["InterleavedZeroBubble"].predicted < 1.05 * light["Interleaved1F1B"].predicted
+
+
+def test_microbatch_counts_are_searched_and_scaled_by_rows():
+    candidates = _predict(4, 4, 4)
+    counts = {c.config.num_microbatches for c in candidates if c.config.schedule == "1F1B"}
+    assert counts == {4, 8, 16, 32}  # the divisors of 32 that 1F1B accepts on 4 processes (at least 4)
+    one = {c.config.num_microbatches: c for c in candidates if c.config.schedule == "1F1B"}
+    # the same rows in total: fewer microbatches idle longer, more pay more per-action overhead
+    assert one[4].idle > one[8].idle > one[16].idle
+    assert one[8].predicted < one[4].predicted
+    pinned = _predict(4, 4, 4, num_microbatches=8)
+    assert {c.config.num_microbatches for c in pinned} == {8}
+
+
+def test_memory_bound_drops_candidates_and_names_the_fix():
+    everything = _predict(4, 4, 4, saved=10**6)
+    bound = sorted({c.memory for c in everything})[-2]  # all but the largest
+    kept = _predict(4, 4, 4, saved=10**6, max_memory=bound)
+    assert kept and all(c.memory <= bound for c in kept) and len(kept) < len(everything)
+    gpipe = {c.config.num_microbatches: c.memory for c in everything if c.config.schedule == "GPipe"}
+    one_f_one_b = {c.config.num_microbatches: c.memory for c in everything if c.config.schedule == "1F1B"}
+    assert gpipe[32] > one_f_one_b[32]  # GPipe holds every microbatch, 1F1B at most p of them
+    with pytest.raises(ValueError, match="Raise `max_memory`"):
+        _predict(4, 4, 4, saved=10**6, max_memory=1000)
+
+
+def test_trial_times_each_candidate_and_keeps_the_fastest():
+    candidates = [Candidate(Config(name, 2, 4), predicted, 0.1, 100) for name, predicted in
+                  (("InterleavedZeroBubble", 1.0), ("ZBVZeroBubble", 1.05), ("Interleaved1F1B", 1.2),
+                   ("LoopedBFS", 1.3), ("GPipe", 1.4))]
+    trial = Trial(candidates)
+    assert [c.config.schedule for c in trial.timed] == ["InterleavedZeroBubble", "Interleaved1F1B", "LoopedBFS"]
+    times = {"InterleavedZeroBubble": 2.0, "Interleaved1F1B": 1.5, "LoopedBFS": 3.0}  # measured disagrees
+    seen = []
+    while not trial.finished:
+        config = trial.current()
+        seen.append(config.schedule)
+        trial.record(times[config.schedule], None)
+    assert seen == ["InterleavedZeroBubble"] * 3 + ["Interleaved1F1B"] * 3 + ["LoopedBFS"] * 3
+    assert trial.decide(torch.device("cpu")) == Config("Interleaved1F1B", 2, 4)
+    table = trial.table()
+    assert re.search(r"\*\s+Interleaved1F1B\s+2\s+4\s+1200.0 ms\s+1500.0 ms", table)
+    assert re.search(r"ZBVZeroBubble .* not timed", table)
+
+
+def test_stored_choice_is_checked():
+    good = Config("ZBVZeroBubble", 2, 8)
+    assert Config.from_record(good.record()) == good
+    for bad in (None, [], {"schedule": "os.system", "stages_per_rank": 2, "num_microbatches": 8},
+                {"schedule": "1F1B", "stages_per_rank": True, "num_microbatches": 8},
+                {"schedule": "1F1B", "stages_per_rank": 1, "num_microbatches": -1}):
+        assert Config.from_record(bad) is None
+
+
+def test_arguments():
+    assert PipelineStrategy(schedule="auto").schedule == "auto"
+    assert PipelineStrategy(schedule="auto", max_memory="2GiB")._options.max_memory == 2 * 1024**3
+    with pytest.raises(ValueError, match="max_memory=.*schedule='auto'"):
+        PipelineStrategy(schedule="1F1B", max_memory="2GiB")
+
+
+@pytest.fixture(scope="module")
+def costed_run(tmp_path_factory):
+    """One launch, three fits (see tests/auto_job.py): weight gradient three times the forward."""
+    out = tmp_path_factory.mktemp("auto")
+    proc = run_script([str(HERE / "auto_job.py"), str(out), "24"], cwd=out, timeout=420,
+                      env={"OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-8000:]
+    results = {
+        phase: [torch.load(out / f"{phase}_rank{r}.pt", weights_only=False) for r in range(4)]
+        for phase in ("auto", "pinned", "resumed")
+    }
+    return results, proc.stdout
+
+
+def test_auto_picks_the_schedule_that_leads_and_logs_the_table(costed_run):
+    results, log = costed_run
+    chosen = {"schedule": "InterleavedZeroBubble", "stages_per_rank": 2, "num_microbatches": 4}
+    assert all(r["chosen"] == chosen and r["schedule"] == "InterleavedZeroBubble" for r in results["auto"])
+    rows = dict(re.findall(r"^\*?\s+(\w+)\s+\d\s+4\s+[\d.]+ ms\s+([\d.]+) ms", log, re.M))
+    assert set(rows) == {"InterleavedZeroBubble", "Interleaved1F1B", "LoopedBFS"}, log[-3000:]
+    assert float(rows["Interleaved1F1B"]) > 1.15 * float(rows["InterleavedZeroBubble"])
+    assert "pass these to `PipelineStrategy` to pin it" in log
+    assert re.search(r"ZBVZeroBubble\s+2\s+4\s+[\d.]+ ms\s+not timed", log)
+    assert re.search(r"1F1B\s+1\s+4\s+[\d.]+ ms\s+not timed", log)
+
+
+def test_auto_trains_as_the_chosen_schedule_across_the_switch(costed_run):
+    """The first 9 steps ran three schedules; losses and weights equal the chosen schedule's from the start."""
+    results, _ = costed_run
+    for auto, pinned in zip(results["auto"], results["pinned"]):
+        assert len(auto["losses"]) == 12
+        torch.testing.assert_close(torch.tensor(auto["losses"]), torch.tensor(pinned["losses"]), atol=1e-5, rtol=0)
+        for name, value in pinned["state_dict"].items():
+            torch.testing.assert_close(auto["state_dict"][name], value, atol=1e-5, rtol=0)
+    before = results["auto"][0]["losses"]
+    assert before[-1] < before[0]  # it trains
+
+
+def test_a_resume_keeps_the_choice(costed_run):
+    results, log = costed_run
+    for r in results["resumed"]:
+        assert r["trial_at_start"] is None  # nothing left to time once the checkpoint is loaded
+        assert r["chosen"]["schedule"] == "InterleavedZeroBubble" and r["schedule"] == "InterleavedZeroBubble"
+        assert len(r["losses"]) == 3
+    assert "keeping the checkpoint's choice, schedule='InterleavedZeroBubble'" in log
