@@ -89,6 +89,7 @@ VARIANTS = {
     "strategy": "(c) PipelineStrategy 1F1B, uniform split",
     "parameters": "(d) PipelineStrategy 1F1B, balance=parameters",
     "time": "(e) PipelineStrategy 1F1B, balance=time",
+    "auto": "(f) PipelineStrategy schedule=auto, after its trial",
 }
 #: The memory settings of ``--steady-memory``, for every variant. glibc's malloc with fixed thresholds: large blocks
 #: stay in the heap instead of being unmapped and faulted in again (with the adaptive default, a rank faulted in 1 to
@@ -101,7 +102,7 @@ STEADY_MEMORY = {
     "GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=4294967296",
     "THP_MEM_ALLOC_ENABLE": "1",
 }
-STRATEGY_BALANCE = {"strategy": "uniform", "parameters": "parameters", "time": "time"}
+STRATEGY_BALANCE = {"strategy": "uniform", "parameters": "parameters", "time": "time", "auto": "uniform"}
 
 
 class BenchLlama(LitLlama):
@@ -185,9 +186,14 @@ def run_lightning(args: argparse.Namespace) -> None:
 
         # into the run's own directory: the parent keeps the files of the run that counts
         timeline = {"step": 3, "dirpath": os.path.dirname(args.out)} if args.variant == "time" else None
+        auto = args.variant == "auto"
+        if auto:  # its trial steps (every candidate, timed) are warm-up here; it searches the microbatch count too
+            from lightning_pipe._step.auto import EXTRA, STEPS, TIMED, WARMUP
+
+            args.warmup += (TIMED + EXTRA) * (WARMUP + STEPS)  # the most it can take
         strategy = PipelineStrategy(
-            num_microbatches=args.num_microbatches, schedule="1F1B", balance=STRATEGY_BALANCE[args.variant],
-            timeline=timeline,
+            num_microbatches="auto" if auto else args.num_microbatches, schedule="auto" if auto else "1F1B",
+            balance=STRATEGY_BALANCE[args.variant], timeline=timeline,
         )
         extra = {"accelerator": "cpu", "devices": 2, "strategy": strategy}
     trainer = L.Trainer(
@@ -290,6 +296,9 @@ def run_variant(variant: str, flags: list[str], env: dict[str, str], timeout: in
                 with open(os.path.join(tmp, name), "rb") as f:
                     timeline_files[name] = f.read()
     result = per_rank[0]
+    chosen = re.search(r"Keeping (schedule=.*?); pass", proc.stdout + proc.stderr)
+    if chosen:
+        result["auto_choice"] = chosen.group(1)
     result["_timeline_files"] = timeline_files
     result["cpu_per_rank_median"] = [r["cpu_median"] for r in per_rank]
     result["cpu_median_all_ranks"] = sum(r["cpu_median"] for r in per_rank)
@@ -352,6 +361,7 @@ def run_all(args: argparse.Namespace) -> None:
         "torch_over_time": med["torch"] / med["time"],
         "uniform_over_time": med["strategy"] / med["time"],
         "uniform_over_parameters": med["strategy"] / med["parameters"],
+        "default_over_auto": med["strategy"] / med["auto"],
         "ideal_bubble": (p - 1) / (m + p - 1),
         "measured_bubble": results["time"].get("timeline_bubble"),
     }
@@ -387,6 +397,8 @@ def run_all(args: argparse.Namespace) -> None:
     print(f"balance=time against hand-written uniform (b)/(e): {ratios['torch_over_time']:.3f}x")
     print(f"uniform / time, uniform / parameters      (c)/(e), (c)/(d): {ratios['uniform_over_time']:.3f}x,"
           f" {ratios['uniform_over_parameters']:.3f}x")
+    print(f"the default (1F1B) over schedule='auto'   (c)/(f): {ratios['default_over_auto']:.3f}x (>1: auto is faster;"
+          f" it kept {results['auto'].get('auto_choice')})")
     if ratios["measured_bubble"] is not None:
         print(f"bubble measured by timeline= (step 3 of (e)): {ratios['measured_bubble']:.1%};"
               f" (p-1)/(m+p-1) = {ratios['ideal_bubble']:.1%}")

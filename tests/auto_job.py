@@ -1,7 +1,8 @@
 """``schedule="auto"`` on the costed model of ``benchmarks/costed.py`` (blocks that sleep fixed forward, input-gradient
 and weight-gradient times), 4 processes, in one launch:
 
-1. ``auto``: fit with ``schedule="auto"`` and ``num_microbatches=4``, saving a checkpoint at the end;
+1. ``auto``: fit with ``schedule="auto"`` and ``num_microbatches=4``, validating every 4 steps (during the trial
+   and after), saving a checkpoint at the end;
 2. ``pinned``: the same fit with the chosen arguments set explicitly;
 3. ``resumed``: ``schedule="auto"`` resumed from (1)'s checkpoint for more steps.
 
@@ -31,9 +32,16 @@ BATCH, DIM = 8, 16
 FORWARD_MS = INPUT_GRAD_MS = 8.0
 
 
+class Validated(Costed):
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", torch.nn.functional.mse_loss(self.backbone(x), y), sync_dist=True)
+
+
 class Record(L.Callback):
     def __init__(self) -> None:
         self.losses: list[float] = []
+        self.val: list[float] = []
         self.trial_at_start: Any = "unset"
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -43,6 +51,9 @@ class Record(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, *args: Any) -> None:
         self.losses.append(float(outputs["loss"]))
 
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.val.append(float(trainer.callback_metrics["val_loss"]))
+
 
 def batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(1)
@@ -51,21 +62,24 @@ def batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def fit(phase: str, out: Path, weight_grad_ms: float, steps: int, ckpt: Any = None, **strategy: Any) -> None:
     torch.manual_seed(0)
-    model = Costed(8, DIM, FORWARD_MS, INPUT_GRAD_MS, weight_grad_ms, lr=0.05)
+    model = Validated(8, DIM, FORWARD_MS, INPUT_GRAD_MS, weight_grad_ms, lr=0.05)
     record = Record()
     trainer = L.Trainer(
         accelerator="cpu", devices=4, max_steps=steps, logger=False, enable_progress_bar=False,
         enable_model_summary=False, enable_checkpointing=False, callbacks=[record], use_distributed_sampler=False,
+        val_check_interval=4, num_sanity_val_steps=0, limit_val_batches=2,
         strategy=PipelineStrategy(pipeline_parallel_size=4, check_data_every_n_batches=None,
                                   **{"num_microbatches": 4, **strategy}),
     )
-    trainer.fit(model, torch.utils.data.DataLoader(batches(STEPS + MORE), batch_size=None), ckpt_path=ckpt)
+    loader = torch.utils.data.DataLoader(batches(STEPS + MORE), batch_size=None)
+    trainer.fit(model, loader, loader, ckpt_path=ckpt)
     runtime = trainer.strategy._runtime
     chosen = runtime.cut.choice
     if phase == "auto":
         trainer.save_checkpoint(out / "auto.ckpt")
     result = {
         "losses": record.losses,
+        "val": record.val,
         "state_dict": {k: v.detach().clone() for k, v in model.state_dict().items()},
         "chosen": chosen.record() if chosen is not None else None,
         "schedule": trainer.strategy.schedule,

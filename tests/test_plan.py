@@ -194,11 +194,12 @@ def test_tensor_parallelism_fits_blocks_too_large_for_a_stage():
     kwargs = dict(param_bytes=weights, activation_bytes=acts, memory_budget=3e9)
     with pytest.raises(ValueError, match="devices_per_node"):
         plan_pipeline(costs, 32, 8, **kwargs)
-    plan = plan_pipeline(costs, 32, 8, devices_per_node=8, **kwargs)
+    plan = plan_pipeline(costs, 32, 8, devices_per_node=8, schedules=["1F1B"], **kwargs)
     t, p = plan.tensor_parallel_size, plan.pipeline_parallel_size
     assert t > 1 and plan.fits and plan.predicted_memory_per_device <= 3e9
     assert p * plan.data_parallel_size * t == plan.devices == 8
-    # pipeline 4 x tensor 2 beats pipeline 2 x tensor 4 (which also fits): a smaller share of communication
+    # under 1F1B, pipeline 4 x tensor 2 beats pipeline 2 x tensor 4 (which also fits): a smaller share of
+    # communication
     assert (p, t, plan.schedule) == (4, 2, "1F1B")
     # each process holds 1/t of its stage's weights (and their gradients and Adam moments); activations are whole
     assert plan.state_memory == pytest.approx(max(_stage_costs(weights, plan.balance)) / t * 4)
@@ -420,6 +421,20 @@ def test_cli_in_process(tmp_path, capsys):
         main(["--help"])
     assert info.value.code == 0
     assert "--memory-budget" in capsys.readouterr().out
+
+
+def test_cli_measures_the_modules_here(tmp_path, capsys):
+    """``--measure`` times each block's forward, input and weight gradient on this machine (random weights) and plans
+    in seconds, with every schedule (the zero-bubble ones among them)."""
+    config = _write_config(tmp_path, devices=4, strategy="pipeline")
+    assert main(["--config", config, "--measure"]) == 2
+    assert "--measure needs --input-shape" in capsys.readouterr().err
+    code = main(["--config", config, "--input-shape", "8", "--input-dtype", "long", "--measure", "--top", "20"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "costs: measured here, seconds" in out and "ideal/time" in out
+    schedules = {line.split()[2] for line in out.splitlines()[5:] if line[:1].isdigit()}
+    assert {"1F1B", "ZBVZeroBubble", "InterleavedZeroBubble"} <= schedules, out
 
 
 @pytest.mark.dist

@@ -46,8 +46,9 @@ log = logging.getLogger(__name__)
 #: makes ever more microbatches cost more. ``benchmarks/predicted.py`` fits it on CPU processes; the timed steps
 #: correct for it wherever it is off.
 ACTION_OVERHEAD_S = 1e-3
-#: Candidates timed on the first training steps, and steps each: the first of a candidate builds its schedule.
-TIMED, WARMUP, STEPS = 3, 1, 2
+#: Candidates timed on the first training steps, and steps each: the first of a candidate builds its schedule. At
+#: most ``EXTRA`` more are timed when the model refitted on those times puts them ahead.
+TIMED, WARMUP, STEPS, EXTRA = 3, 1, 2, 2
 #: Copies of each parameter's bytes a process holds: the weight, its gradient and two optimizer moments (Adam).
 PARAMETER_COPIES = 4
 #: Microbatch counts tried at most, those nearest the default rule's count.
@@ -106,6 +107,14 @@ class Candidate:
     measured: Optional[float] = None
     samples: list[float] = field(default_factory=list)
     peak: Optional[int] = None
+    #: the prediction without the runtime's own work, and how it grows per second of that work per action: the timed
+    #: steps fit the overhead ([Note: configuration by measurement])
+    base: float = 0.0
+    slope: float = 0.0
+    calibrated: Optional[float] = None
+
+    def at(self, overhead: float) -> float:
+        return self.base + self.slope * overhead
 
 
 def predict(
@@ -187,29 +196,41 @@ def _predicted(config: Config, layout: StageLayout, costs: Sequence[Any], params
         held.append(PARAMETER_COPIES * sum(params[start:stop]))
     run = simulate(config.schedule, layout.pipeline_size, config.num_microbatches, stages,
                    overhead=ACTION_OVERHEAD_S)
+    base = simulate(config.schedule, layout.pipeline_size, config.num_microbatches, stages).step_time
     memory = max(
         sum(held[s] + run.in_flight[s] * saved[s] for s in layout.rank_stages(r)) for r in range(layout.pipeline_size)
     )
-    return Candidate(config, run.step_time, run.bubble, int(memory))
+    return Candidate(config, run.step_time, run.bubble, int(memory), base=base,
+                     slope=(run.step_time - base) / ACTION_OVERHEAD_S)
 
 
 class Trial:
     """The first training steps of a ``schedule="auto"`` run: which candidate each step runs, and the choice.
 
+    The best :data:`TIMED` candidates of the best prediction's placement are timed first. Their times (every rank's,
+    the slowest counts: a collective, so every rank decides alike) fit the runtime's work per action, which the
+    prediction only assumed; a candidate of the placement not timed yet that the refitted model puts ahead of the
+    fastest measured is timed too, up to :data:`EXTRA` of them. The fastest measured is kept.
+
     Args:
-        candidates: every predicted candidate, best first; those of ``candidates[0]``'s placement are timed.
+        candidates: every predicted candidate, best first.
     """
 
     def __init__(self, candidates: list[Candidate]) -> None:
         self.candidates = candidates
-        best = candidates[0].config.placement
-        self.timed = [c for c in candidates if c.config.placement == best][:TIMED]
+        self.placement = candidates[0].config.placement
+        self.timed = [c for c in candidates if c.config.placement == self.placement][:TIMED]
+        self.overhead: Optional[float] = None  # seconds per action, fitted on the timed steps
         self._step = 0
         self.chosen: Optional[Config] = None if len(self.timed) > 1 else self.timed[0].config
 
     @property
     def running(self) -> bool:
         return self.chosen is None
+
+    @property
+    def steps(self) -> int:
+        return len(self.timed) * (WARMUP + STEPS)
 
     def current(self) -> Config:
         return self.timed[min(self._step // (WARMUP + STEPS), len(self.timed) - 1)].config
@@ -224,17 +245,33 @@ class Trial:
 
     @property
     def finished(self) -> bool:
-        return self._step >= len(self.timed) * (WARMUP + STEPS)
+        """Whether every candidate queued so far is timed: time for :meth:`settle`."""
+        return self._step >= self.steps
 
-    def decide(self, device: torch.device) -> Config:
-        """The fastest timed candidate, from every rank's times (the slowest rank's mean: a collective)."""
-        means = torch.tensor([sum(c.samples) / len(c.samples) for c in self.timed], dtype=torch.float64,
-                             device=device)
+    def settle(self, device: torch.device) -> Optional[Config]:
+        """Share the new times (a collective over every rank), refit the overhead, and either queue the candidates
+        the refitted model puts ahead (``None``: go on timing) or choose the fastest measured."""
+        new = [c for c in self.timed if c.measured is None]
+        values = torch.tensor([v for c in new for v in (sum(c.samples) / len(c.samples), float(c.peak or -1))],
+                              dtype=torch.float64, device=device)
         if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(means, op=dist.ReduceOp.MAX)
-        for c, t in zip(self.timed, means.tolist()):
-            c.measured = t
-        self.chosen = min(self.timed, key=lambda c: c.measured).config  # type: ignore[arg-type,return-value]
+            dist.all_reduce(values, op=dist.ReduceOp.MAX)
+        for c, (t, peak) in zip(new, values.view(-1, 2).tolist()):
+            c.measured, c.peak = t, (int(peak) if peak >= 0 else None)
+        timed = [c for c in self.timed if c.measured is not None]
+        den = sum(c.slope**2 for c in timed)
+        self.overhead = max(0.0, sum(c.slope * (c.measured - c.base) for c in timed) / den) if den else None
+        fastest = min(timed, key=lambda c: c.measured)  # type: ignore[arg-type,return-value]
+        if self.overhead is not None:
+            for c in self.candidates:
+                c.calibrated = c.at(self.overhead)
+            extra = len(self.timed) - TIMED
+            ahead = sorted((c for c in self.candidates if c.config.placement == self.placement and c not in timed
+                            and c.calibrated < fastest.measured), key=lambda c: c.calibrated)  # type: ignore
+            if ahead and extra < EXTRA:
+                self.timed.extend(ahead[: EXTRA - extra])
+                return None
+        self.chosen = fastest.config
         return self.chosen
 
     def table(self) -> str:
@@ -242,7 +279,8 @@ class Trial:
         from lightning_pipe.plan import format_bytes
 
         assert self.chosen is not None
-        rows = [("", "schedule", "v", "m", "predicted", "measured", "idle", "memory (predicted)", "peak (measured)")]
+        rows = [("", "schedule", "v", "m", "predicted", "refitted", "measured", "idle", "memory (predicted)",
+                 "peak (measured)")]
         others = [c for c in self.candidates if c.measured is None]
         shown = [c for c in self.candidates if c.measured is not None or c in others[: TABLE_ROWS - len(self.timed)]]
         for c in shown:
@@ -251,6 +289,7 @@ class Trial:
             rows.append((
                 "*" if c.config == self.chosen else "", c.config.schedule, str(c.config.stages_per_rank),
                 str(c.config.num_microbatches), f"{c.predicted * 1e3:.1f} ms",
+                f"{c.calibrated * 1e3:.1f} ms" if c.calibrated is not None else "-",
                 f"{c.measured * 1e3:.1f} ms" if timed else "not timed",  # type: ignore[operator]
                 f"{idle:.0%}", format_bytes(c.memory), format_bytes(c.peak) if c.peak is not None else "-",
             ))
@@ -264,10 +303,12 @@ class Trial:
 def describe_choice(trial: Trial) -> str:
     assert trial.chosen is not None
     timed = sum(c.measured is not None for c in trial.candidates)
+    fitted = (f" The runtime's work per action, fitted on those steps: {trial.overhead * 1e3:.2f} ms (predicted with"
+              f" {ACTION_OVERHEAD_S * 1e3:.2f} ms; 'refitted' uses it)." if trial.overhead is not None else "")
     return (
         f"PipelineStrategy(schedule='auto'): timed {timed} candidates of the best predicted placement on the first"
         f" {timed * (WARMUP + STEPS)} training steps ({WARMUP} warm-up + {STEPS} timed each; the others are"
-        f" predicted only, as they need another cut). Keeping {trial.chosen.arguments()}; pass these to"
+        f" predicted only, as they need another cut).{fitted} Keeping {trial.chosen.arguments()}; pass these to"
         f" `PipelineStrategy` to pin it. Idle is 1 - busy / step time, the busy time from the per-block profile.\n"
         + trial.table()
     )

@@ -150,6 +150,7 @@ class PipelineRuntime:
         self._trainable_checked: Optional[int] = None
         self._mean_warned = False
         self.trial = trial  # `schedule="auto"`'s first steps ([Note: configuration by measurement])
+        self.trial_steps = 0  # how many they were, once chosen
 
     @property
     def layout(self) -> StageLayout:
@@ -206,9 +207,11 @@ class PipelineRuntime:
         elapsed = time.perf_counter() - start
         trial.record(elapsed, torch.cuda.max_memory_allocated(self.device) if measure_peak else None)
         if trial.finished:
-            self.use(trial.decide(self.device))
-            rank_zero_info(describe_choice(trial))
-            self.trial = None
+            chosen = trial.settle(self.device)
+            if chosen is not None:
+                self.use(chosen)
+                rank_zero_info(describe_choice(trial))
+                self.trial, self.trial_steps = None, trial.steps
         return loss
 
     def _train_batch(self, batch: Any, *rest: Any, **kwargs: Any) -> Tensor:

@@ -27,9 +27,9 @@ Recommend a PipelineStrategy configuration for a LightningCLI config file.
 
 Reads the config's `model` (class_path + init_args), builds the model on the meta device (nothing is allocated or
 computed), measures the backbone's parameters per module and, with --input-shape, the activations it keeps for
-backward, then ranks every pipeline size (dividing the device count), schedule (1F1B, GPipe, Interleaved1F1B) and
-microbatch count by predicted step time among the plans that fit --memory-budget. Prints the best plans and the
-PipelineStrategy(...) call / YAML lines for the best one.
+backward, then ranks every pipeline size (dividing the device count), schedule (all seven, each played in torch's
+own order of actions) and microbatch count by predicted step time among the plans that fit --memory-budget. Prints
+the best plans and the PipelineStrategy(...) call / YAML lines for the best one.
 
 The batch: --batch-size, else the config's data.init_args.batch_size, is the per-process dataloader batch as
 in the config; the global batch (what plans are compared at) is that times the config's current number of
@@ -37,7 +37,8 @@ replicas (its trainer.strategy's data_parallel_size; every process for a non-pip
 PipelineStrategy's default of one pipeline over all devices). --global-batch-size sets it directly.
 
 Costs are parameter counts unless --costs gives measured forward+backward times per sample, one per backbone
-module. Predicted times are relative: compare plans, not seconds. See docs/planner.md for the model.
+module, or --measure times them on this machine (forward, input and weight gradient apart). Predicted times are
+relative unless measured: compare plans, not seconds. See docs/planner.md for the model.
 
 With --max-tensor-parallel T, tensor-parallel sizes up to T (powers of two dividing the devices per node and
 --tensor-divisor, e.g. the attention head count) are considered too.
@@ -77,6 +78,30 @@ def _build_arg_parser() -> argparse.ArgumentParser:
         default="parameters",
         help="'parameters' (default), or forward+backward times per sample, one per module: '1.0,2.5,...' or a"
         " JSON file.",
+    )
+    parser.add_argument(
+        "--measure",
+        action="store_true",
+        help="time each module's forward, input gradient and weight gradient on this machine (needs --input-shape, the"
+        " backbone's input; the model runs with random weights) and plan with those times, the split of each"
+        " included: predicted step times are then in seconds.",
+    )
+    parser.add_argument("--measure-device", default="cpu", help="where --measure runs the modules (cpu, cuda).")
+    parser.add_argument("--measure-batch", type=int, default=4, help="samples per timed call of --measure.")
+    parser.add_argument(
+        "--cost-split",
+        default="1,1,1",
+        help="forward, input-gradient and weight-gradient shares of each module's cost (default equal; --measure"
+        " measures them).",
+    )
+    parser.add_argument(
+        "--transfer-time", type=float, default=0.0,
+        help="time of sending one sample's activation between stages, in the units of the costs (seconds with"
+        " --measure); 0: free.",
+    )
+    parser.add_argument(
+        "--data-parallel-time-per-byte", type=float, default=0.0,
+        help="time of the replicas' gradient all-reduce per byte (ring), in the units of the costs; 0: free.",
     )
     parser.add_argument(
         "--input-shape",
@@ -242,6 +267,7 @@ def _table(plans: Sequence[Plan]) -> str:
         "mb size",
         "bubble",
         "rel. time",
+        "ideal/time",
         "memory/device",
         "modules per stage",
     ]
@@ -259,6 +285,7 @@ def _table(plans: Sequence[Plan]) -> str:
                 str(plan.microbatch_size),
                 f"{plan.predicted_bubble:.1%}",
                 f"{plan.predicted_step_time / best:.3f}",
+                f"{plan.efficiency:.0%}",
                 memory,
                 str(list(plan.balance)),
             ]
@@ -307,8 +334,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             raise SystemExit(f"error: unknown --input-dtype {args.input_dtype!r}.")
         example = torch.zeros((1, *shape), dtype=dtype, device="meta")
     try:
+        given = _parse_costs(args.costs)
+        split: Any = [float(x) for x in args.cost_split.split(",")]
+        if args.measure:
+            if example is None:
+                raise ValueError("--measure needs --input-shape (the backbone's input, per sample).")
+            from lightning_pipe._model.backbone import find_backbone
+            from lightning_pipe.plan._model import measure_module_times
+
+            found = find_backbone(model, backbone)
+            inputs = torch.zeros((args.measure_batch, *example.shape[1:]), dtype=example.dtype, device="meta")
+            split = measure_module_times([found.module(i) for i in range(len(found))], inputs, args.measure_device)
+            given = [sum(t) for t in split]
         costs, param_bytes, acts = backbone_profile(
-            model, backbone, _parse_costs(args.costs), "auto", example, args.bytes_per_parameter
+            model, backbone, given, "auto", example, args.bytes_per_parameter
         )
         budget = parse_bytes(args.memory_budget) if args.memory_budget else None
         plans = search_plans(
@@ -327,6 +366,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             tensor_divisor=args.tensor_divisor,
             tensor_parallel_overhead=args.tensor_parallel_overhead,
             sequence_parallel=args.sequence_parallel,
+            cost_split=split,
+            transfer_time=args.transfer_time,
+            data_parallel_time_per_byte=args.data_parallel_time_per_byte,
         )
     except (ValueError, AttributeError, TypeError) as error:
         print(f"error: {error}", file=sys.stderr)
@@ -341,13 +383,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             shown.append(plan)
     shown = shown[: max(1, args.top)]
     name = type(model).__name__
+    cost_note = "measured here, seconds" if args.measure else (
+        "parameter counts" if args.costs == "parameters" else "given times"
+    )
     memory_note = "parameters, gradients, optimizer state" + (
         " and activations" if acts is not None else " (no activations: give --input-shape to include them)"
     )
     print(
         f"{name}: backbone `{backbone}` with {len(costs)} modules, {sum(param_bytes) / 1e6:.2f} MB of parameters"
         f"{'' if on_meta else ' (built on the CPU)'}; {devices} devices; global batch {global_batch} ({batch_note});"
-        f" costs: {'parameter counts' if args.costs == 'parameters' else 'given times'}"
+        f" costs: {cost_note}"
         + (f"; budget {format_bytes(budget)} per device" if budget else "")
     )
     print(f"memory counts {memory_note}.\n")

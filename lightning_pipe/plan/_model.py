@@ -117,3 +117,74 @@ def measure_activation_bytes(modules: Sequence[nn.Module], example_input: Any) -
     except Exception:  # an op without a meta kernel, or a module that needs more than one tensor
         return None
     return [max(0.0, b - a) for a, b in zip(one, two)]
+
+
+def measure_module_times(
+    modules: Sequence[nn.Module], example_input: Any, device: Any = "cpu", repeats: int = 3
+) -> list[tuple[float, float, float]]:
+    """Seconds per sample of each module's forward, input gradient and weight gradient on ``device``, for
+    ``search_plans(costs=..., cost_split=...)`` (``python -m lightning_pipe.plan --measure``).
+
+    ``example_input`` (a tensor with a leading batch dimension, the backbone's input) runs through the modules one
+    after the other; each is timed on its input cut from the graph: the forward, the input gradient alone
+    (``torch.autograd.grad``), then the whole backward, whose excess over the input gradient is the weight gradient.
+    A module on the meta device is copied to ``device`` with random weights (only its speed counts); the median of
+    ``repeats`` runs after one warm-up counts.
+    """
+    import copy
+    import statistics
+    import time
+
+    import torch
+
+    device = torch.device(device)
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def real(module: nn.Module) -> nn.Module:
+        if not any(t.is_meta for t in [*module.parameters(), *module.buffers()]):
+            return module.to(device)
+        module = copy.deepcopy(module).to_empty(device=device)
+        with torch.no_grad():
+            for p in module.parameters():
+                p.normal_(0.0, 0.02) if p.is_floating_point() else p.zero_()
+        return module
+
+    if isinstance(example_input, (tuple, list)) and len(example_input) == 1:
+        example_input = example_input[0]
+    if not isinstance(example_input, torch.Tensor) or example_input.dim() == 0:
+        raise ValueError("Timing the modules needs the backbone's input as one tensor with a batch dimension.")
+    if example_input.is_meta:
+        example_input = (torch.randn(example_input.shape, device=device).to(example_input.dtype)
+                         if example_input.is_floating_point() else torch.zeros_like(example_input, device=device))
+    batch = example_input.shape[0]
+    x = example_input.to(device)
+    times = []
+    for module in modules:
+        module = real(module)
+        samples = []
+        for _ in range(repeats + 1):
+            inp = x.detach().requires_grad_(x.is_floating_point())
+            sync()
+            start = time.perf_counter()
+            out = module(inp)
+            sync()
+            forward = time.perf_counter() - start
+            loss = (out[0] if isinstance(out, (tuple, list)) else out).float().sum()
+            input_grad = 0.0
+            if inp.requires_grad:
+                start = time.perf_counter()
+                torch.autograd.grad(loss, inp, retain_graph=True, allow_unused=True)
+                sync()
+                input_grad = time.perf_counter() - start
+            start = time.perf_counter()
+            loss.backward()
+            sync()
+            whole = time.perf_counter() - start
+            module.zero_grad(set_to_none=True)
+            samples.append((forward, min(input_grad, whole), max(whole - input_grad, 0.0)))
+        times.append(tuple(statistics.median(s[k] for s in samples[1:]) / batch for k in range(3)))
+        x = (out[0] if isinstance(out, (tuple, list)) else out).detach()
+    return times  # type: ignore[return-value]

@@ -13,17 +13,24 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Optional, Union
 
 from lightning_pipe._step.microbatches import check_positive, divisors, valid_num_microbatches
-from lightning_pipe.partition import split_sizes
+from lightning_pipe.partition import StageLayout, split_sizes
 from lightning_pipe.plan._model import backbone_profile
 from lightning_pipe.plan._result import Plan, format_bytes
-from lightning_pipe.schedules import SCHEDULES, textbook_bubble_fraction
+from lightning_pipe.plan._simulate import StageCosts, simulate
+from lightning_pipe.schedules import SCHEDULES
 
 if TYPE_CHECKING:
     from torch import nn
 
-#: The schedules the cost model knows (the ones whose timing and memory it models).
-PLANNED_SCHEDULES = tuple(name for name, spec in SCHEDULES.items() if spec.planned)
-_SCHEDULE_ORDER = {"1F1B": 0, "Interleaved1F1B": 1, "GPipe": 2}  # ties in predicted time and memory go to the first
+#: The schedules the cost model knows: every one, each played in torch's own order of actions ([Note: schedule
+#: simulation]).
+PLANNED_SCHEDULES = tuple(SCHEDULES)
+#: The search tries microbatch counts up to this many per pipeline process: beyond it the bubble is under 6% for
+#: every schedule, and each microbatch adds its overhead.
+MAX_MICROBATCHES_PER_RANK = 16
+#: Ties in predicted time and memory go to the first.
+_SCHEDULE_ORDER = {name: i for i, name in enumerate(("1F1B", "Interleaved1F1B", "ZBVZeroBubble",
+                                                     "InterleavedZeroBubble", "DualPipeV", "GPipe", "LoopedBFS"))}
 
 
 # ---------------------------------------------------------------------------------------------- the search
@@ -45,6 +52,9 @@ def search_plans(
     tensor_divisor: Optional[int] = None,
     tensor_parallel_overhead: float = 0.1,
     sequence_parallel: bool = False,
+    cost_split: Sequence[float] = (1.0, 1.0, 1.0),
+    transfer_time: float = 0.0,
+    data_parallel_time_per_byte: float = 0.0,
 ) -> list[Plan]:
     """Every plan that fits, best (lowest predicted step time) first.
 
@@ -78,6 +88,13 @@ def search_plans(
             layers (``SequenceParallel`` norms, ``RowwiseParallel(output_layouts=Shard(1))``), so each tensor rank
             keeps about ``1/T`` of a block's activations and sends ``1/T`` of the activation to the next stage.
             ``False`` (default): activations are whole on every tensor rank.
+        cost_split: how each module's cost divides into forward, input gradient and weight gradient (ratios; default
+            equal, as for matrix products), or one such triple per module (``--measure`` gives them). The
+            zero-bubble schedules defer the weight gradient; the others run input and weight gradient together.
+        transfer_time: the time of sending one sample's activation from a stage to the next (its gradient back
+            costs the same), in the units of ``costs``; 0 (default): transfers are free.
+        data_parallel_time_per_byte: the time of the gradient all-reduce over the replicas per byte of gradient and
+            per ``2 (d - 1) / d`` (a ring), in the units of ``costs``, added to the step; 0 (default): free.
 
     Raises:
         ValueError: if no plan is valid for the batch and devices, or none fits ``memory_budget`` (the message
@@ -98,6 +115,9 @@ def search_plans(
         tensor_sizes=tensor_parallel_sizes(devices, devices_per_node, max_tensor_parallel, tensor_divisor),
         tensor_parallel_overhead=tensor_parallel_overhead,
         sequence_parallel=sequence_parallel,
+        cost_split=cost_split,
+        transfer_time=transfer_time,
+        data_parallel_time_per_byte=data_parallel_time_per_byte,
     )
     fitting = [p for p in plans if p.fits]
     if not fitting:
@@ -157,6 +177,9 @@ def _all_plans(
     tensor_sizes: Sequence[int],
     tensor_parallel_overhead: float,
     sequence_parallel: bool = False,
+    cost_split: Sequence[Any] = (1.0, 1.0, 1.0),
+    transfer_time: float = 0.0,
+    data_parallel_time_per_byte: float = 0.0,
 ) -> list[Plan]:
     n = len(costs)
     if n == 0:
@@ -172,10 +195,13 @@ def _all_plans(
     for name, values in (("param_bytes", param_bytes), ("activation_bytes", activation_bytes)):
         if values is not None and len(values) != n:
             raise ValueError(f"`{name}` has {len(values)} entries but there are {n} module costs.")
-    if optimizer_multiplier < 0 or microbatch_overhead < 0 or tensor_parallel_overhead < 0:
+    if min(optimizer_multiplier, microbatch_overhead, tensor_parallel_overhead, transfer_time,
+           data_parallel_time_per_byte) < 0:
         raise ValueError(
-            "`optimizer_multiplier`, `microbatch_overhead` and `tensor_parallel_overhead` must be non-negative."
+            "`optimizer_multiplier`, `microbatch_overhead`, `tensor_parallel_overhead`, `transfer_time` and"
+            " `data_parallel_time_per_byte` must be non-negative."
         )
+    fractions = _fractions(cost_split, n)
     unknown = [s for s in schedules if s not in PLANNED_SCHEDULES]
     if unknown or not schedules:
         raise ValueError(f"The planner models the schedules {list(PLANNED_SCHEDULES)}; got {list(schedules)}.")
@@ -211,7 +237,8 @@ def _all_plans(
         scale = (1 + tensor_parallel_overhead * (t - 1)) / t
         b = global_batch_size // dp
         for schedule in schedules:
-            v = interleaved_stages_per_rank if SCHEDULES[schedule].multi_stage else 1
+            spec = SCHEDULES[schedule]
+            v = spec.fixed_stages_per_rank or interleaved_stages_per_rank
             if p == 1 and schedule != "1F1B":
                 continue  # one stage: GPipe and interleaving only differ from 1F1B by keeping more in flight
             num_stages = p * v
@@ -222,22 +249,33 @@ def _all_plans(
                 splits[num_stages] = split_sizes(costs, num_stages, "parameters")
             sizes = splits[num_stages]
             bounds = _bounds(sizes)
+            layout = StageLayout(tuple(bounds), p, spec.placement)
             stage_cost = [sum(costs[a:z]) * scale for a, z in bounds]
+            # per sample: forward, input gradient, weight gradient of each stage
+            stage_parts = [tuple(sum(costs[i] * fractions[i][k] for i in range(a, z)) * scale for k in range(3))
+                           for a, z in bounds]
             stage_weights = [sum(weights[a:z]) / t for a, z in bounds]
             # whole on every tensor rank, unless sharded along the sequence
             stage_acts = [sum(acts[a:z]) / (t if sequence_parallel else 1) for a, z in bounds]
-            c_max = max(stage_cost)
+            # the gradient all-reduce of the replicas, after the last backward (a ring: 2 (d - 1) / d of the bytes)
+            reduce = data_parallel_time_per_byte * 2 * (dp - 1) / dp * max(
+                sum(stage_weights[s] for s in layout.rank_stages(r)) for r in range(p)
+            )
             for m in divisors(b):
-                if not valid_num_microbatches(m, p, v, schedule):
+                if not valid_num_microbatches(m, p, v, schedule) or m > MAX_MICROBATCHES_PER_RANK * p:
                     continue
-                step = (v * m + p - 1) * (c_max * b / m + overhead)
-                bubble = textbook_bubble_fraction(p, m, v)
+                rows = b / m
+                run = simulate(
+                    schedule, p, m, [StageCosts(*(x * rows for x in part)) for part in stage_parts],
+                    transfer=transfer_time * rows / (t if sequence_parallel else 1), overhead=overhead / 2,
+                )
+                step = run.step_time + reduce
+                bubble = run.bubble
                 memory = state = activation = None
                 fits = True
                 if measured:
-                    state, activation = _peak_memory(
-                        schedule, p, v, m, b, stage_weights, stage_acts, optimizer_multiplier
-                    )
+                    state, activation = _peak_memory(layout, run.in_flight, rows, stage_weights, stage_acts,
+                                                     optimizer_multiplier)
                     memory = state + activation
                     if activation_bytes is None:
                         activation = None  # not counted, rather than zero
@@ -273,34 +311,36 @@ def _all_plans(
 
 
 def _peak_memory(
-    schedule: str,
-    p: int,
-    v: int,
-    m: int,
-    b: int,
+    layout: StageLayout,
+    in_flight: Sequence[int],
+    rows: float,
     stage_weights: list[float],
     stage_acts: list[float],
     optimizer_multiplier: float,
 ) -> tuple[float, float]:
-    """``(state, activations)`` bytes of the process that needs the most in total."""
-    micro = b / m
+    """``(state, activations)`` bytes of the process that needs the most in total: its stages' weights with their
+    gradients and optimizer state, and the activations of the microbatches each of its stages holds at once in the
+    schedule's own order (``in_flight``, from :func:`simulate`)."""
     best = (0.0, 0.0)
-    for r in range(p):
-        stages = [r + p * k for k in range(v)]  # loop placement: stage s on rank s % p
+    for r in range(layout.pipeline_size):
+        stages = layout.rank_stages(r)
         state = sum(stage_weights[s] for s in stages) * (1 + optimizer_multiplier)
-        if schedule == "GPipe":
-            activation = m * stage_acts[r] * micro
-        elif schedule == "1F1B":
-            activation = min(m, p - r) * stage_acts[r] * micro
-        else:  # Interleaved1F1B, as torch orders it: rounds of `per_round` microbatches per local stage
-            rounds = max(1, m // p)
-            per_round = m // rounds
-            warmup = min((v - 1) * per_round + 2 * (p - 1 - r), v * m)
-            in_flight = min(warmup + 1, v * m)
-            activation = sum(stage_acts[stages[(k // per_round) % v]] for k in range(in_flight)) * micro
+        activation = sum(in_flight[s] * stage_acts[s] * rows for s in stages)
         if state + activation > sum(best):
             best = (state, activation)
     return best
+
+
+def _fractions(cost_split: Sequence[Any], n: int) -> list[tuple[float, float, float]]:
+    """Per module, the fractions of its cost that are forward, input gradient and weight gradient."""
+    split = list(cost_split)
+    triples = split if split and isinstance(split[0], (tuple, list)) else [split] * n
+    if len(triples) != n or any(len(x) != 3 or min(x) < 0 or sum(x) <= 0 for x in triples):
+        raise ValueError(
+            f"`cost_split` must be three non-negative ratios (forward, input gradient, weight gradient), or one such"
+            f" triple per module ({n}); got {cost_split!r}."
+        )
+    return [tuple(float(x) / sum(t) for x in t) for t in triples]  # type: ignore[misc]
 
 
 def _rank_key(plan: Plan) -> tuple:

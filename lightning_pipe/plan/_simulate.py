@@ -16,8 +16,10 @@ the other, as torch's runtime does without a custom overlap function.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Optional
 
 
 @dataclass(frozen=True)
@@ -56,13 +58,38 @@ class Prediction:
 
 def schedule_actions(schedule: str, pipeline_parallel_size: int, num_microbatches: int, stages_per_rank: int) -> list:
     """torch's order of actions for every rank: ``[rank][k]`` is an ``_Action`` (or ``None``, a gap)."""
-    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
-
     from lightning_pipe.schedules import schedule_spec
 
     spec = schedule_spec(schedule)
     per_rank = stages_per_rank if spec.multi_stage else None
-    return get_schedule_ops(spec.name, pipeline_parallel_size, num_microbatches, per_rank)
+    return [list(ops) for ops in _actions(spec.name, pipeline_parallel_size, num_microbatches, per_rank)]
+
+
+@functools.lru_cache(maxsize=256)
+def _actions(name: str, p: int, m: int, per_rank: Optional[int]) -> tuple[tuple, ...]:
+    """torch's schedule class builds its order on stand-in stages, as its visualiser's ``get_schedule_ops`` does, but
+    with one stand-in for every call (``unittest.mock`` takes 50 ms to make one) and each order once per process."""
+    from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+
+    cls = get_schedule_class(name)
+    stage = _stand_in()
+    stage.group_size = p
+    v = per_rank or (1 if issubclass(cls, PipelineScheduleSingle) else 2)
+    stage.num_stages = p * v
+    schedule = cls(stage, m) if issubclass(cls, PipelineScheduleSingle) else cls([stage] * v, m)
+    return tuple(tuple(schedule.pipeline_order[rank]) for rank in range(p))
+
+
+@functools.lru_cache(maxsize=1)
+def _stand_in() -> object:
+    from unittest import mock
+
+    from torch.distributed.pipelining import PipelineStage
+
+    stage = mock.create_autospec(PipelineStage, instance=True)
+    stage.group_rank = 0
+    stage.submod = None
+    return stage
 
 
 def simulate(
