@@ -13,21 +13,22 @@ cfg.yaml`` does the same for a LightningCLI config file. :func:`default_num_micr
 Cost model, for ``p`` processes per pipeline, ``v`` stages per process (``S = p * v`` stages), ``m`` microbatches
 of a per-replica batch ``b`` (global batch ``B = b * data_parallel_size``):
 
-* step time ``T = (v*m + p - 1) * (c_max * b / m + o)``: ``c_max`` is the slowest stage's cost per sample, ``o``
-  a fixed overhead per microbatch and stage (``microbatch_overhead`` times the ideal step time
-  ``sum(costs) * B / devices``), so that ever more microbatches are not free;
-* bubble ``(p - 1) / (v*m + p - 1)``: the idle fraction of the step;
+* step time: :func:`simulate` plays the schedule's own order of actions (torch builds it) with each stage's
+  forward, input-gradient and weight-gradient time for ``b / m`` samples (``cost_split`` of the costs), a fixed
+  overhead ``o / 2`` per action (``o = microbatch_overhead`` times the ideal step time ``sum(costs) * B /
+  devices``, so that ever more microbatches are not free), ``transfer_time`` per message between ranks, then adds
+  the replicas' gradient all-reduce (``data_parallel_time_per_byte``). For balanced stages this is the textbook
+  ``(v*m + p - 1) * (c * b / m + o)`` of 1F1B, GPipe and Interleaved1F1B; the zero-bubble schedules defer the
+  weight gradient into the bubble;
+* bubble: the idle fraction of that play, averaged over the ranks;
 * memory of a process: its parameter bytes times ``1 + optimizer_multiplier`` (gradients and optimizer state;
-  3 for Adam) plus the activations of the microbatches in flight: ``min(m, p - r)`` on pipeline rank ``r`` for
-  1F1B, ``m`` for GPipe, and torch's warm-up count for Interleaved1F1B;
+  3 for Adam) plus the activations of the microbatches each of its stages holds at once in the same play;
 * tensor parallelism over ``t`` processes of a node (``devices_per_node`` given; ``p * data_parallel_size * t``
   devices): every module costs ``(1 + tensor_parallel_overhead * (t - 1)) / t`` of its cost and holds ``1 / t`` of
   its parameter bytes; activations stay whole.
 
-:func:`simulate` predicts a schedule's step time differently, for stage costs split into forward, input-gradient and
-weight-gradient times: it plays torch's own order of actions for that schedule against a clock ([Note: schedule
-simulation] in ``plan/_simulate.py``), so the zero-bubble schedules' deferred weight gradients and torch's exact
-warm-up orders count. ``benchmarks/predicted.py`` compares it with measured step times.
+``benchmarks/predicted.py`` compares :func:`simulate` with measured step times; ``PipelineStrategy(schedule="auto")``
+uses it on the times it measures at setup.
 """
 
 from lightning_pipe._step.microbatches import (
@@ -36,7 +37,7 @@ from lightning_pipe._step.microbatches import (
     microbatch_target,
     valid_num_microbatches,
 )
-from lightning_pipe.plan._model import backbone_profile, measure_activation_bytes
+from lightning_pipe.plan._model import backbone_profile, measure_activation_bytes, measure_module_times
 from lightning_pipe.plan._result import Plan, format_bytes, parse_bytes
 from lightning_pipe.plan._search import (
     PLANNED_SCHEDULES,
@@ -57,6 +58,7 @@ __all__ = [
     "default_num_microbatches",
     "format_bytes",
     "measure_activation_bytes",
+    "measure_module_times",
     "microbatch_target",
     "parse_bytes",
     "plan_for_module",
