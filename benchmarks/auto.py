@@ -33,10 +33,10 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 from costed import ALL, Costed  # noqa: E402
 
 from lightning_pipe import PipelineStrategy  # noqa: E402
-from lightning_pipe._step.auto import EXTRA, STEPS, TIMED, WARMUP  # noqa: E402
+from lightning_pipe._step.auto import EXTRA, LEAD, STEPS, TIMED, WARMUP  # noqa: E402
 from lightning_pipe.schedules import SCHEDULES  # noqa: E402
 
-TRIAL = (TIMED + EXTRA) * (WARMUP + STEPS)  # the most steps auto times candidates on
+TRIAL = LEAD + (TIMED + EXTRA) * (WARMUP + STEPS)  # the most steps auto times candidates on
 
 
 class _Starts(Callback):

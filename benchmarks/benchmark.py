@@ -188,9 +188,9 @@ def run_lightning(args: argparse.Namespace) -> None:
         timeline = {"step": 3, "dirpath": os.path.dirname(args.out)} if args.variant == "time" else None
         auto = args.variant == "auto"
         if auto:  # its trial steps (every candidate, timed) are warm-up here; it searches the microbatch count too
-            from lightning_pipe._step.auto import EXTRA, STEPS, TIMED, WARMUP
+            from lightning_pipe._step.auto import EXTRA, LEAD, STEPS, TIMED, WARMUP
 
-            args.warmup += (TIMED + EXTRA) * (WARMUP + STEPS)  # the most it can take
+            args.warmup += LEAD + (TIMED + EXTRA) * (WARMUP + STEPS)  # the most it can take
         strategy = PipelineStrategy(
             num_microbatches="auto" if auto else args.num_microbatches, schedule="auto" if auto else "1F1B",
             balance=STRATEGY_BALANCE[args.variant], timeline=timeline,

@@ -47,8 +47,9 @@ log = logging.getLogger(__name__)
 #: correct for it wherever it is off.
 ACTION_OVERHEAD_S = 1e-3
 #: Candidates timed on the first training steps, and steps each: the first of a candidate builds its schedule. At
-#: most ``EXTRA`` more are timed when the model refitted on those times puts them ahead.
-TIMED, WARMUP, STEPS, EXTRA = 3, 1, 2, 2
+#: most ``EXTRA`` more are timed when the model refitted on those times puts them ahead. The run's first ``LEAD``
+#: steps (the allocator and the data loader warming up) are not timed.
+TIMED, WARMUP, STEPS, EXTRA, LEAD = 3, 1, 2, 2, 1
 #: Copies of each parameter's bytes a process holds: the weight, its gradient and two optimizer moments (Adam).
 PARAMETER_COPIES = 4
 #: Microbatch counts tried at most, those nearest the default rule's count.
@@ -230,14 +231,17 @@ class Trial:
 
     @property
     def steps(self) -> int:
-        return len(self.timed) * (WARMUP + STEPS)
+        return LEAD + len(self.timed) * (WARMUP + STEPS)
 
     def current(self) -> Config:
-        return self.timed[min(self._step // (WARMUP + STEPS), len(self.timed) - 1)].config
+        return self.timed[min(max(self._step - LEAD, 0) // (WARMUP + STEPS), len(self.timed) - 1)].config
 
     def record(self, seconds: float, peak: Optional[int]) -> None:
-        candidate = self.timed[self._step // (WARMUP + STEPS)]
-        if self._step % (WARMUP + STEPS) >= WARMUP:
+        if self._step < LEAD:
+            self._step += 1
+            return
+        candidate = self.timed[(self._step - LEAD) // (WARMUP + STEPS)]
+        if (self._step - LEAD) % (WARMUP + STEPS) >= WARMUP:
             candidate.samples.append(seconds)
             if peak is not None:
                 candidate.peak = max(candidate.peak or 0, peak)
@@ -307,7 +311,7 @@ def describe_choice(trial: Trial) -> str:
               f" {ACTION_OVERHEAD_S * 1e3:.2f} ms; 'refitted' uses it)." if trial.overhead is not None else "")
     return (
         f"PipelineStrategy(schedule='auto'): timed {timed} candidates of the best predicted placement on the first"
-        f" {timed * (WARMUP + STEPS)} training steps ({WARMUP} warm-up + {STEPS} timed each; the others are"
+        f" {trial.steps} training steps ({LEAD} untimed, then {WARMUP} warm-up + {STEPS} timed each; the others are"
         f" predicted only, as they need another cut).{fitted} Keeping {trial.chosen.arguments()}; pass these to"
         f" `PipelineStrategy` to pin it. Idle is 1 - busy / step time, the busy time from the per-block profile.\n"
         + trial.table()
