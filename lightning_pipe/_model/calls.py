@@ -234,7 +234,8 @@ class BlockRunners:
         io = self.structure.block_io[index]
         if io is None:
             return self.output_like(index, hidden)
-        arg_leaves = tree_leaves((args, kwargs))
+        plain = not kwargs and all(isinstance(a, Tensor) for a in args)  # the common call: skip the pytree walk
+        arg_leaves = list(args) if plain else tree_leaves((args, kwargs))
         shapes = [tuple(t.shape) for t in arg_leaves if isinstance(t, Tensor)]
         sizes = size_map_of_shapes(io.arg_shapes, shapes)
         leaves = []
