@@ -191,3 +191,41 @@ def test_a_resume_keeps_the_choice(costed_run):
         assert r["chosen"]["schedule"] == "InterleavedZeroBubble" and r["schedule"] == "InterleavedZeroBubble"
         assert len(r["losses"]) == 3
     assert "keeping the checkpoint's choice, schedule='InterleavedZeroBubble'" in log
+
+
+def test_stand_in_costs_fit_their_scale_too():
+    """On the meta device the prediction runs on parameter counts; the timed steps fit both their scale and the
+    per-action time, and the refitted model ranks what was not timed."""
+    specs = ((32, 500.0, 80), (16, 600.0, 40), (8, 750.0, 20), (4, 850.0, 10))  # (m, base in stand-in units, slope)
+    candidates = sorted((Candidate(Config("Interleaved1F1B", 2, m), base + slope * 1e-3, 0.1, 100, base=base,
+                                   slope=slope) for m, base, slope in specs), key=lambda c: c.predicted)
+    trial = Trial(candidates, stand_ins=True)
+    times = {m: 1e-3 * base + slope * 0.02 for m, base, slope in specs}  # a stand-in unit is 1 ms; 20 ms per action
+    while trial.running:
+        while not trial.finished:
+            config = trial.current()
+            trial.record(times[config.num_microbatches], None)
+        trial.settle(torch.device("cpu"))
+    assert trial.scale == pytest.approx(1e-3) and trial.overhead == pytest.approx(0.02)
+    assert trial.chosen == Config("Interleaved1F1B", 2, 4)
+
+
+def test_a_model_on_the_meta_device_is_predicted_from_parameter_counts():
+    from torch import nn
+
+    from lightning_pipe._lightning.options import validated_options
+    from lightning_pipe._step.auto import Chooser
+
+    with torch.device("meta"):
+        module = nn.Sequential(*[nn.Linear(8, 8) for _ in range(8)])
+    options = validated_options(4, "auto", "auto", "auto", "auto", "auto", "uniform", False, None)
+
+    def measure(*args, **kwargs):
+        raise AssertionError("nothing is timed on the meta device")
+
+    chooser = Chooser(options, 4, measure, module, torch.device("cpu"), fitting=True)
+    costs = [72.0] * 8
+    config, layout_costs = chooser(None, None, None, ((torch.zeros(16, 8), torch.zeros(16, 8)), 0), costs)
+    assert layout_costs == costs and chooser.trial is not None and chooser.trial.stand_ins
+    assert config == chooser.trial.timed[0].config
+    assert {c.config.num_microbatches for c in chooser.trial.candidates} <= {1, 2, 4, 8, 16}

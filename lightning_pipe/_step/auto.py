@@ -114,8 +114,8 @@ class Candidate:
     slope: float = 0.0
     calibrated: Optional[float] = None
 
-    def at(self, overhead: float) -> float:
-        return self.base + self.slope * overhead
+    def at(self, overhead: float, scale: float = 1.0) -> float:
+        return scale * self.base + self.slope * overhead
 
 
 def predict(
@@ -217,11 +217,13 @@ class Trial:
         candidates: every predicted candidate, best first.
     """
 
-    def __init__(self, candidates: list[Candidate]) -> None:
+    def __init__(self, candidates: list[Candidate], stand_ins: bool = False) -> None:
         self.candidates = candidates
+        self.stand_ins = stand_ins  # the costs are stand-ins (parameter counts): their scale is fitted too
         self.placement = candidates[0].config.placement
         self.timed = [c for c in candidates if c.config.placement == self.placement][:TIMED]
         self.overhead: Optional[float] = None  # seconds per action, fitted on the timed steps
+        self.scale = 1.0  # of the blocks' measured times (their stand-ins on the meta device), fitted with it
         self._step = 0
         self.chosen: Optional[Config] = None if len(self.timed) > 1 else self.timed[0].config
 
@@ -263,12 +265,11 @@ class Trial:
         for c, (t, peak) in zip(new, values.view(-1, 2).tolist()):
             c.measured, c.peak = t, (int(peak) if peak >= 0 else None)
         timed = [c for c in self.timed if c.measured is not None]
-        den = sum(c.slope**2 for c in timed)
-        self.overhead = max(0.0, sum(c.slope * (c.measured - c.base) for c in timed) / den) if den else None
+        self.scale, self.overhead = _fit(timed, free_scale=self.stand_ins)
         fastest = min(timed, key=lambda c: c.measured)  # type: ignore[arg-type,return-value]
         if self.overhead is not None:
             for c in self.candidates:
-                c.calibrated = c.at(self.overhead)
+                c.calibrated = c.at(self.overhead, self.scale)
             extra = len(self.timed) - TIMED
             ahead = sorted((c for c in self.candidates if c.config.placement == self.placement and c not in timed
                             and c.calibrated < fastest.measured), key=lambda c: c.calibrated)  # type: ignore
@@ -302,6 +303,29 @@ class Trial:
         if len(shown) < len(self.candidates):
             lines.append(f"   ({len(self.candidates) - len(shown)} more untimed candidates, predicted slower)")
         return "\n".join(lines)
+
+
+def _fit(timed: list[Candidate], free_scale: bool) -> tuple[float, Optional[float]]:
+    """``(scale, overhead)`` with ``measured ≈ scale * base + overhead * slope`` in least squares: the scale stays 1
+    (the blocks were timed) unless ``free_scale`` (stand-in costs) and two or more candidates were timed."""
+    ys = [c.measured for c in timed]
+    if free_scale and len(timed) >= 2:
+        bb = sum(c.base**2 for c in timed)
+        ss = sum(c.slope**2 for c in timed)
+        bs = sum(c.base * c.slope for c in timed)
+        by = sum(c.base * y for c, y in zip(timed, ys))  # type: ignore[operator]
+        sy = sum(c.slope * y for c, y in zip(timed, ys))  # type: ignore[operator]
+        det = bb * ss - bs * bs
+        if det > 1e-12 * bb * ss:
+            scale, overhead = (by * ss - sy * bs) / det, (sy * bb - by * bs) / det
+            if scale > 0 and overhead >= 0:
+                return scale, overhead
+        if bb:  # all compute: the scale alone
+            return max(by / bb, 0.0), 0.0
+    den = sum(c.slope**2 for c in timed)
+    if not den:
+        return 1.0, None
+    return 1.0, max(0.0, sum(c.slope * (y - c.base) for c, y in zip(timed, ys)) / den)  # type: ignore[operator]
 
 
 def describe_choice(trial: Trial) -> str:
@@ -347,8 +371,16 @@ class Chooser:
         if not self.fitting:
             rank_zero_info("PipelineStrategy(schedule='auto'): an evaluation alone runs 1F1B; fit to choose.")
             return Config("1F1B", 1, options.num_microbatches), parameter_costs
-        measured = self.measure(backbone, structure, step, args[0], rest=args[1:], detail=True)
-        costs = [c.total for c in measured] if options.balance == "time" else parameter_costs
+        stand_ins = any(p.is_meta for p in self.module.parameters())
+        if stand_ins:  # built on the meta device (`configure_model`): nothing to time before the cut
+            measured = self._stand_ins(backbone, structure, step, args, parameter_costs)
+            rank_zero_info(
+                "PipelineStrategy(schedule='auto'): the model is on the meta device until after the cut, so the"
+                " prediction takes parameter counts for the blocks' times; the timed steps decide."
+            )
+        else:
+            measured = self.measure(backbone, structure, step, args[0], rest=args[1:], detail=True)
+        costs = [c.total for c in measured] if options.balance == "time" and not stand_ins else parameter_costs
         width = next((t.element_size() for t in self.module.parameters()), 4)
         batch_size = measured[0].batch_size
         batchnorm = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in self.module.modules())
@@ -361,7 +393,7 @@ class Chooser:
             num_microbatches=options.num_microbatches, stages_per_rank=options.stages_per_rank,
             fixed_count=batchnorm, max_memory=budget,
         )
-        self.trial = Trial(candidates)
+        self.trial = Trial(candidates, stand_ins=stand_ins)
         best = candidates[0].config
         rank_zero_info(
             f"PipelineStrategy(schedule='auto'): {len(candidates)} candidates predicted for batches of {batch_size};"
@@ -370,3 +402,16 @@ class Chooser:
             " first training steps."
         )
         return best, costs
+
+    def _stand_ins(self, backbone: Any, structure: Any, step: Callable[..., Any], args: tuple,
+                   parameter_costs: list[float]) -> list[Any]:
+        """Block costs from parameter counts (a microsecond per thousand, forward, input and weight gradient
+        alike) for the whole first batch, nothing saved: only their ratios matter, the trial fits the scale. The
+        batch size is the first batch tensor's first dimension."""
+        from torch.utils._pytree import tree_leaves
+
+        from lightning_pipe._model.profile import BlockCost
+
+        batch_size = next((int(t.shape[0]) for t in tree_leaves(args[0]) if isinstance(t, torch.Tensor) and t.dim()),
+                          1)
+        return [BlockCost(c * 1e-9, c * 1e-9, c * 1e-9, 0, batch_size, batch_size) for c in parameter_costs]
