@@ -151,7 +151,7 @@ def costed_run(tmp_path_factory):
     assert proc.returncode == 0, proc.stdout[-8000:]
     results = {
         phase: [torch.load(out / f"{phase}_rank{r}.pt", weights_only=False) for r in range(4)]
-        for phase in ("auto", "pinned", "resumed")
+        for phase in ("auto", "pinned", "resumed", "sharded", "sharded_pinned")
     }
     return results, proc.stdout
 
@@ -229,3 +229,16 @@ def test_a_model_on_the_meta_device_is_predicted_from_parameter_counts():
     assert layout_costs == costs and chooser.trial is not None and chooser.trial.stand_ins
     assert config == chooser.trial.timed[0].config
     assert {c.config.num_microbatches for c in chooser.trial.candidates} <= {1, 2, 4, 8, 16}
+
+
+def test_auto_with_sharded_replicas_and_accumulation_trains_as_the_choice(costed_run):
+    """pp2 x FSDP2 dp2, gradients accumulated over 2 batches: the trial switches schedules between the batches of
+    one optimizer step, and the run still equals the choice pinned."""
+    results, _ = costed_run
+    chosen = results["sharded"][0]["chosen"]
+    assert chosen is not None and all(r["chosen"] == chosen for r in results["sharded"])
+    for auto, pinned in zip(results["sharded"], results["sharded_pinned"]):
+        assert len(auto["losses"]) == 14
+        torch.testing.assert_close(torch.tensor(auto["losses"]), torch.tensor(pinned["losses"]), atol=1e-5, rtol=0)
+        for name, value in pinned["state_dict"].items():
+            torch.testing.assert_close(auto["state_dict"][name], value, atol=1e-5, rtol=0)

@@ -385,8 +385,11 @@ class Chooser:
         batch_size = measured[0].batch_size
         batchnorm = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in self.module.modules())
         budget = options.max_memory
-        if budget is None and self.device.type == "cuda":
-            budget = torch.cuda.get_device_properties(self.device).total_memory
+        if budget is None and self.device.type == "cuda":  # the smallest device's, so that every rank agrees
+            total = torch.tensor([torch.cuda.get_device_properties(self.device).total_memory], device=self.device)
+            if dist.is_initialized():
+                dist.all_reduce(total, op=dist.ReduceOp.MIN)
+            budget = int(total.item())
         candidates = predict(
             measured, [c * width for c in parameter_costs], p, batch_size,
             lambda v, style: make_layout(costs, p, v, options.balance, style),

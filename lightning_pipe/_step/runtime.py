@@ -151,6 +151,8 @@ class PipelineRuntime:
         self._mean_warned = False
         self.trial = trial  # `schedule="auto"`'s first steps ([Note: configuration by measurement])
         self.trial_steps = 0  # how many they were, once chosen
+        if trial is not None and trial.chosen is not None:  # one candidate: nothing to time
+            self._keep(trial.chosen)
 
     @property
     def layout(self) -> StageLayout:
@@ -172,7 +174,12 @@ class PipelineRuntime:
             config.num_microbatches, spec, self.layout.pipeline_size, self.layout.stages_per_rank
         )
         self.pipeline.use(spec, self.microbatches.nominal)
-        self.cut.choice = config
+
+    def _keep(self, config: Config) -> None:
+        """``schedule="auto"`` chose ``config`` for the rest of the run: what checkpoints store from now on."""
+        self.use(config)
+        self.cut.choice, self.cut.choice_decided = config, True
+        self.trial = None
 
     def keep_stored_choice(self, record: Any) -> None:
         """A resumed ``schedule="auto"`` run keeps the configuration its checkpoint stores instead of timing again,
@@ -186,8 +193,7 @@ class PipelineRuntime:
                 f" another placement ({self.layout.describe()}), so it chooses again. Pass those arguments to keep it."
             )
             return
-        self.use(config)
-        self.trial = None
+        self._keep(config)
         rank_zero_info(f"PipelineStrategy(schedule='auto'): keeping the checkpoint's choice, {config.arguments()}.")
 
     # ------------------------------------------------------------------------------------------------ training
@@ -209,9 +215,9 @@ class PipelineRuntime:
         if trial.finished:
             chosen = trial.settle(self.device)
             if chosen is not None:
-                self.use(chosen)
+                self._keep(chosen)
+                self.trial_steps = trial.steps
                 rank_zero_info(describe_choice(trial))
-                self.trial, self.trial_steps = None, trial.steps
         return loss
 
     def _train_batch(self, batch: Any, *rest: Any, **kwargs: Any) -> Tensor:
