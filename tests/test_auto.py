@@ -62,6 +62,10 @@ def test_microbatch_counts_are_searched_and_scaled_by_rows():
     assert one[8].predicted < one[4].predicted
     pinned = _predict(4, 4, 4, num_microbatches=8)
     assert {c.config.num_microbatches for c in pinned} == {8}
+    ragged = _predict(4, 4, 4, batch=24, num_microbatches=16)  # runs as 12, the largest count below that divides 24
+    assert {c.config.num_microbatches for c in ragged} == {16}
+    with pytest.raises(ValueError, match="no schedule accepts a batch of 32 on 4 processes .* 2 blocks"):
+        _predict(4, 4, 4, blocks=2)  # fewer blocks than stages
 
 
 def test_memory_bound_drops_candidates_and_names_the_fix():

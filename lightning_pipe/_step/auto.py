@@ -36,7 +36,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from lightning_pipe._step.microbatches import default_num_microbatches, divisors
+from lightning_pipe._step.microbatches import default_num_microbatches, divisors, largest_divisor_at_most
 from lightning_pipe.partition import StageLayout
 from lightning_pipe.schedules import SCHEDULE_NAMES, schedule_spec
 
@@ -153,6 +153,12 @@ def predict(
         for m in _counts(name, p, v, batch_size, num_microbatches, fixed_count):
             candidate = _predicted(Config(name, v, m), layout, costs, params, batch_size)
             (dropped if max_memory is not None and candidate.memory > max_memory else candidates).append(candidate)
+    if not candidates and not dropped:
+        raise ValueError(
+            f"`PipelineStrategy(schedule='auto')`: no schedule accepts a batch of {batch_size} on {p} processes"
+            f" ({num_microbatches!r} microbatches, {len(costs)} blocks). Use larger batches, fewer pipeline processes,"
+            " or another `num_microbatches`."
+        )
     if not candidates:
         from lightning_pipe.plan import format_bytes
 
@@ -170,8 +176,8 @@ def predict(
 
 def _counts(name: str, p: int, v: int, batch_size: int, requested: Any, fixed_count: bool) -> list[int]:
     spec = schedule_spec(name)
-    if requested != "auto":
-        return [requested] if spec.accepts(requested, p, v) and batch_size % requested == 0 else []
+    if requested != "auto":  # a count that does not divide the batch runs as the largest below it that does
+        return [requested] if spec.accepts(largest_divisor_at_most(batch_size, requested), p, v) else []
     try:
         default = default_num_microbatches(batch_size, p, v, name)
     except ValueError:
@@ -186,7 +192,8 @@ def _predicted(config: Config, layout: StageLayout, costs: Sequence[Any], params
                batch_size: int) -> Candidate:
     from lightning_pipe.plan import StageCosts, simulate
 
-    rows = batch_size // config.num_microbatches
+    m = largest_divisor_at_most(batch_size, config.num_microbatches)
+    rows = batch_size // m
     stages, saved, held = [], [], []
     for start, stop in layout.bounds:
         blocks = costs[start:stop]
@@ -195,9 +202,8 @@ def _predicted(config: Config, layout: StageLayout, costs: Sequence[Any], params
                                    for n in ("forward", "input_grad", "weight_grad"))))
         saved.append(scale * sum(b.saved_bytes for b in blocks))
         held.append(PARAMETER_COPIES * sum(params[start:stop]))
-    run = simulate(config.schedule, layout.pipeline_size, config.num_microbatches, stages,
-                   overhead=ACTION_OVERHEAD_S)
-    base = simulate(config.schedule, layout.pipeline_size, config.num_microbatches, stages).step_time
+    run = simulate(config.schedule, layout.pipeline_size, m, stages, overhead=ACTION_OVERHEAD_S)
+    base = simulate(config.schedule, layout.pipeline_size, m, stages).step_time
     memory = max(
         sum(held[s] + run.in_flight[s] * saved[s] for s in layout.rank_stages(r)) for r in range(layout.pipeline_size)
     )
