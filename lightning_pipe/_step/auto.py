@@ -277,7 +277,7 @@ class Trial:
             for c in self.candidates:
                 c.calibrated = c.at(self.overhead, self.scale)
             extra = len(self.timed) - TIMED
-            ahead = sorted((c for c in self.candidates if c.config.placement == self.placement and c not in timed
+            ahead = sorted((c for c in self.candidates if c.config.placement == self.placement and c.measured is None
                             and c.calibrated < fastest.measured), key=lambda c: c.calibrated)  # type: ignore
             if ahead and extra < EXTRA:
                 self.timed.extend(ahead[: EXTRA - extra])
@@ -292,11 +292,12 @@ class Trial:
         assert self.chosen is not None
         rows = [("", "schedule", "v", "m", "predicted", "refitted", "measured", "idle", "memory (predicted)",
                  "peak (measured)")]
-        others = [c for c in self.candidates if c.measured is None]
-        shown = [c for c in self.candidates if c.measured is not None or c in others[: TABLE_ROWS - len(self.timed)]]
+        others = [id(c) for c in self.candidates if c.measured is None][: TABLE_ROWS - len(self.timed)]
+        shown = [c for c in self.candidates if c.measured is not None or id(c) in others]
         for c in shown:
             timed = c.measured is not None
-            idle = 1.0 - (c.predicted * (1.0 - c.idle)) / c.measured if timed else c.idle  # type: ignore[operator]
+            busy = (c.calibrated if c.calibrated is not None else c.predicted) * (1.0 - c.idle)
+            idle = 1.0 - busy / c.measured if timed else c.idle  # type: ignore[operator]
             rows.append((
                 "*" if c.config == self.chosen else "", c.config.schedule, str(c.config.stages_per_rank),
                 str(c.config.num_microbatches), f"{c.predicted * 1e3:.1f} ms",
@@ -343,7 +344,7 @@ def describe_choice(trial: Trial) -> str:
         f"PipelineStrategy(schedule='auto'): timed {timed} candidates of the best predicted placement on the first"
         f" {trial.steps} training steps ({LEAD} untimed, then {WARMUP} warm-up + {STEPS} timed each; the others are"
         f" predicted only, as they need another cut).{fitted} Keeping {trial.chosen.arguments()}; pass these to"
-        f" `PipelineStrategy` to pin it. Idle is 1 - busy / step time, the busy time from the per-block profile.\n"
+        f" `PipelineStrategy` to pin it. Idle is 1 - busy / step time, the busy time from the refitted model.\n"
         + trial.table()
     )
 
