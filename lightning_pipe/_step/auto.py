@@ -225,7 +225,7 @@ class Trial:
 
     def __init__(self, candidates: list[Candidate], stand_ins: bool = False) -> None:
         self.candidates = candidates
-        self.stand_ins = stand_ins  # the costs are stand-ins (parameter counts): their scale is fitted too
+        self.stand_ins = stand_ins  # the costs are stand-ins (parameter counts): the report says so
         self.placement = candidates[0].config.placement
         self.timed = [c for c in candidates if c.config.placement == self.placement][:TIMED]
         self.overhead: Optional[float] = None  # seconds per action, fitted on the timed steps
@@ -271,7 +271,9 @@ class Trial:
         for c, (t, peak) in zip(new, values.view(-1, 2).tolist()):
             c.measured, c.peak = t, (int(peak) if peak >= 0 else None)
         timed = [c for c in self.timed if c.measured is not None]
-        self.scale, self.overhead = _fit(timed, free_scale=self.stand_ins)
+        # the blocks' scale is fitted too: what was profiled on one process before the cut may run at another speed in
+        # the pipeline (threads, sharding, the other stages' load)
+        self.scale, self.overhead = _fit(timed, free_scale=True)
         fastest = min(timed, key=lambda c: c.measured)  # type: ignore[arg-type,return-value]
         if self.overhead is not None:
             for c in self.candidates:
@@ -313,8 +315,9 @@ class Trial:
 
 
 def _fit(timed: list[Candidate], free_scale: bool) -> tuple[float, Optional[float]]:
-    """``(scale, overhead)`` with ``measured ≈ scale * base + overhead * slope`` in least squares: the scale stays 1
-    (the blocks were timed) unless ``free_scale`` (stand-in costs) and two or more candidates were timed."""
+    """``(scale, overhead)`` with ``measured ≈ scale * base + overhead * slope`` in least squares: both when
+    ``free_scale`` and two or more candidates were timed (the scale alone when a fit of both leaves the positive
+    quadrant), else the overhead alone with the scale 1."""
     ys = [c.measured for c in timed]
     if free_scale and len(timed) >= 2:
         bb = sum(c.base**2 for c in timed)
@@ -338,8 +341,11 @@ def _fit(timed: list[Candidate], free_scale: bool) -> tuple[float, Optional[floa
 def describe_choice(trial: Trial) -> str:
     assert trial.chosen is not None
     timed = sum(c.measured is not None for c in trial.candidates)
-    fitted = (f" The runtime's work per action, fitted on those steps: {trial.overhead * 1e3:.2f} ms (predicted with"
-              f" {ACTION_OVERHEAD_S * 1e3:.2f} ms; 'refitted' uses it)." if trial.overhead is not None else "")
+    fitted = (f" Fitted on those steps: {trial.overhead * 1e3:.2f} ms of the runtime's work per action (predicted"
+              f" with {ACTION_OVERHEAD_S * 1e3:.2f} ms) and {trial.scale:.3g} x the blocks' profiled times; 'refitted'"
+              " uses both." if trial.overhead is not None else "")
+    if trial.stand_ins:
+        fitted += " The blocks' times were parameter counts: the model was on the meta device at setup."
     return (
         f"PipelineStrategy(schedule='auto'): timed {timed} candidates of the best predicted placement on the first"
         f" {trial.steps} training steps ({LEAD} untimed, then {WARMUP} warm-up + {STEPS} timed each; the others are"
