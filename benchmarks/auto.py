@@ -19,35 +19,22 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import Callback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, ".."))
 
-from costed import ALL, Costed  # noqa: E402
+from costed import ALL, Costed, _Starts  # noqa: E402
 
 from lightning_pipe import PipelineStrategy  # noqa: E402
 from lightning_pipe._step.auto import EXTRA, LEAD, STEPS, TIMED, WARMUP  # noqa: E402
 from lightning_pipe.schedules import SCHEDULES  # noqa: E402
 
 TRIAL = LEAD + (TIMED + EXTRA) * (WARMUP + STEPS)  # the most steps auto times candidates on
-
-
-class _Starts(Callback):
-    def __init__(self) -> None:
-        self.starts: list[float] = []
-
-    def on_train_batch_start(self, trainer: Any, *args: Any) -> None:
-        self.starts.append(time.perf_counter())
-
-    def on_train_end(self, trainer: Any, *args: Any) -> None:
-        self.starts.append(time.perf_counter())
 
 
 def run(args: argparse.Namespace) -> None:

@@ -8,6 +8,7 @@ import itertools
 import re
 import sys
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -81,13 +82,14 @@ def test_memory_bound_drops_candidates_and_names_the_fix():
         _predict(4, 4, 4, saved=10**6, max_memory=1000)
 
 
-def _run(trial: Trial, times: dict[str, float]) -> list[str]:
+def _run(trial: Trial, time_of: Callable[[Config], float]) -> list[Config]:
+    """Step ``trial`` to its choice with each candidate taking ``time_of(config)``; the configurations run, in order."""
     seen = []
     while trial.running:
         while not trial.finished:
             config = trial.current()
-            seen.append(config.schedule)
-            trial.record(times[config.schedule], None)
+            seen.append(config)
+            trial.record(time_of(config), None)
         trial.settle(torch.device("cpu"))
     return seen
 
@@ -101,7 +103,8 @@ def test_trial_times_each_candidate_and_keeps_the_fastest():
     trial = Trial(candidates)
     assert [c.config.schedule for c in trial.timed] == ["InterleavedZeroBubble", "Interleaved1F1B", "LoopedBFS"]
     # measured disagrees with the prediction; refitted, nothing untimed of the placement is ahead
-    seen = _run(trial, {"InterleavedZeroBubble": 2.0, "Interleaved1F1B": 1.5, "LoopedBFS": 3.0})
+    times = {"InterleavedZeroBubble": 2.0, "Interleaved1F1B": 1.5, "LoopedBFS": 3.0}
+    seen = [c.schedule for c in _run(trial, lambda c: times[c.schedule])]
     assert seen == ["InterleavedZeroBubble"] * 4 + ["Interleaved1F1B"] * 3 + ["LoopedBFS"] * 3  # 1 untimed first
     assert trial.chosen == Config("Interleaved1F1B", 2, 4)
     table = trial.table()
@@ -118,13 +121,7 @@ def test_the_timed_steps_refit_the_model_and_time_what_it_then_puts_ahead():
     trial = Trial(candidates)
     assert [c.config.num_microbatches for c in trial.timed] == [32, 16, 8]
     times = {m: base + slope * 0.02 for m, base, slope in specs}  # 20 ms per action
-    seen = []
-    while trial.running:
-        while not trial.finished:
-            config = trial.current()
-            seen.append(config.num_microbatches)
-            trial.record(times[config.num_microbatches], None)
-        trial.settle(torch.device("cpu"))
+    seen = [c.num_microbatches for c in _run(trial, lambda c: times[c.num_microbatches])]
     assert seen == [32] * 4 + [16] * 3 + [8] * 3 + [4] * 3
     assert trial.overhead == pytest.approx(0.02)
     assert trial.chosen == Config("Interleaved1F1B", 2, 4)
@@ -208,11 +205,7 @@ def test_stand_in_costs_fit_their_scale_too():
                                    slope=slope) for m, base, slope in specs), key=lambda c: c.predicted)
     trial = Trial(candidates, stand_ins=True)
     times = {m: 1e-3 * base + slope * 0.02 for m, base, slope in specs}  # a stand-in unit is 1 ms; 20 ms per action
-    while trial.running:
-        while not trial.finished:
-            config = trial.current()
-            trial.record(times[config.num_microbatches], None)
-        trial.settle(torch.device("cpu"))
+    _run(trial, lambda c: times[c.num_microbatches])
     assert trial.scale == pytest.approx(1e-3) and trial.overhead == pytest.approx(0.02)
     assert trial.chosen == Config("Interleaved1F1B", 2, 4)
 
