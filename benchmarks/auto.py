@@ -106,14 +106,21 @@ def main() -> None:
     p.add_argument("--weight-grad-ms", type=float, default=10.0)
     p.add_argument("--per-row-ms", type=lambda s: [float(x) for x in s.split(",")], default=None,
                    help="forward,input-grad,weight-grad ms per row, for the microbatch count search")
+    p.add_argument("--parts", default="W = F,W near 0,microbatches",
+                   help="which parts to run (comma-separated); the others keep their figures in the results file")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=6)
     args = p.parse_args()
     if args.variant == "run":
         return run(args)
-    results: dict[str, Any] = {"args": {k: v for k, v in vars(args).items() if k not in ("variant", "out")}}
+    parts = [x.strip() for x in args.parts.split(",")]
+    path = os.path.join(HERE, "auto_results.json")
+    results: dict[str, Any] = json.load(open(path)) if os.path.exists(path) and len(parts) < 3 else {}
+    results["args"] = {k: v for k, v in vars(args).items() if k not in ("variant", "out", "parts")}
     m = args.num_microbatches
     for label, weight_ms in (("W = F", args.forward_ms), ("W near 0", 0.5)):
+        if label not in parts:
+            continue
         args.weight_grad_ms = weight_ms
         times = {s: _variant(args, s, m, False)["step_s"] for s in ALL}
         auto = _variant(args, "auto", m, False)
@@ -129,6 +136,10 @@ def main() -> None:
         print("\n".join("    " + line for line in auto.get("table", [])), flush=True)
     if args.per_row_ms is None:
         args.per_row_ms = [1.0, 1.0, 1.0]
+    if "microbatches" not in parts:
+        with open(path, "w") as fh:
+            json.dump(results, fh, indent=1)
+        return
     auto = _variant(args, "auto", 0, True)
     counts = {}
     for schedule in dict.fromkeys(["1F1B", auto["schedule"]]):
@@ -143,7 +154,7 @@ def main() -> None:
     print(f"  auto -> {auto['schedule']} m={auto['num_microbatches']}: {auto['step_s'] * 1e3:.1f} ms"
           f" ({auto['step_s'] / counts[best]:.3f} of the best, {best})", flush=True)
     print("\n".join("    " + line for line in auto.get("table", [])), flush=True)
-    with open(os.path.join(HERE, "auto_results.json"), "w") as fh:
+    with open(path, "w") as fh:
         json.dump(results, fh, indent=1)
 
 
