@@ -188,6 +188,8 @@ class PipelineRuntime:
         if self.cut.choice is None or config is None:
             return
         if config.placement != (self.layout.style, self.layout.stages_per_rank):
+            if self.trial is None:  # nothing to choose in this call (an evaluation): it runs what it was cut for
+                return
             rank_zero_warn(
                 f"PipelineStrategy(schedule='auto'): the checkpoint chose {config.arguments()}, but this run predicted"
                 f" another placement ({self.layout.describe()}), so it chooses again. Pass those arguments to keep it."
