@@ -15,14 +15,17 @@ on real batches without changing what is trained.
 2. **Cut** for the best prediction's placement (looped or V-shaped, its stages per process): one cut serves every
    schedule with that placement.
 3. **Time** (:class:`Trial`) the best :data:`TIMED` candidates of that placement on the first training steps,
-   :data:`WARMUP` + :data:`STEPS` each, every rank the same candidate at the same step. The slowest rank's mean
-   (an all-reduce, once all are timed) is a candidate's measured step time; the fastest is kept for the rest of the
-   run, and one table is logged with the explicit arguments that pin it.
+   :data:`WARMUP` + :data:`STEPS` each after :data:`LEAD` untimed, every rank the same candidate at the same step.
+   The slowest rank's mean (an all-reduce) is a candidate's measured step time. The per-action time and the scale
+   of the profiled times are refitted on them, and up to :data:`EXTRA` untimed candidates of the placement that the
+   refitted model puts ahead are timed too; the fastest measured is kept for the rest of the run, and one table is
+   logged with the explicit arguments that pin it.
 
 Candidates of another placement would need another cut, so they are chosen between by prediction alone, and the table
-says so. The choice is stored in checkpoints (``auto`` in the stored layout), and a resume reads it at setup instead of
-searching again. With BatchNorm, whose statistics are per microbatch, the microbatch count stays today's rule and only
-the schedule is searched.
+says so. The choice is stored in checkpoints once kept (``auto`` in the stored layout), and a resume keeps it when
+the checkpoint is loaded instead of timing again. With BatchNorm, whose statistics are per microbatch, the microbatch
+count stays today's rule and only the schedule is searched. A model on the meta device at setup has nothing to time:
+its blocks' parameter counts stand in.
 """
 
 from __future__ import annotations
@@ -384,7 +387,7 @@ class Chooser:
         if not self.fitting:
             rank_zero_info("PipelineStrategy(schedule='auto'): an evaluation alone runs 1F1B; fit to choose.")
             return Config("1F1B", 1, options.num_microbatches), parameter_costs
-        stand_ins = any(p.is_meta for p in self.module.parameters())
+        stand_ins = any(t.is_meta for t in self.module.parameters())
         if stand_ins:  # built on the meta device (`configure_model`): nothing to time before the cut
             measured = self._stand_ins(backbone, structure, step, args, parameter_costs)
             rank_zero_info(
