@@ -130,7 +130,7 @@ def measure_backbone(
                               for c in costs)
             rank_zero_info(f"PipelineStrategy: forward/input-gradient/weight-gradient ms per block: {shown}")
         else:
-            costs = [statistics.median(column) for column in zip(*(s.costs for s in samples))]
+            costs = [statistics.median(column) for column in zip(*(s.totals() for s in samples))]
             shown = ", ".join(f"{c * 1e3:.2f}" for c in costs)
             rank_zero_info(f"PipelineStrategy: forward+backward ms per block: {shown}")
     if dist.is_initialized() and dist.get_world_size() > 1:
@@ -146,20 +146,17 @@ def _profile_step(program: BlockRunners, step: Callable[..., Any], args: tuple, 
     run = _Profiled(program, device)
     with program.running(run):
         program.module.to(device)  # the blocks are runners now: this moves only what is outside the backbone
-        _sync(device)
+        synchronize(device)
         run.mark = time.perf_counter()
         with LogRecorder().installed(program.module):
             result = step(*args)
-        _sync(device)
-        post = time.perf_counter() - run.mark
-        run.forward[-1] += post
+        synchronize(device)
+        run.forward[-1] += time.perf_counter() - run.mark
         if torch.is_grad_enabled() and isinstance(result, (torch.Tensor, dict)):
             start = time.perf_counter()
             loss_of(result).backward()
-            _sync(device)
+            synchronize(device)
             run.input_grad[-1] += time.perf_counter() - start
-            post += time.perf_counter() - start
-    run.costs[-1] += post
     return run
 
 
@@ -170,21 +167,22 @@ class _Profiled(BlockCalls):
         super().__init__(program)
         self.device = device
         n = len(program.backbone)
-        self.costs = [0.0] * n
         self.forward, self.input_grad, self.weight_grad = [0.0] * n, [0.0] * n, [0.0] * n
         self.saved = [0] * n
         self.mark = 0.0
 
+    def totals(self) -> list[float]:
+        """Each block's forward+backward seconds (what ``balance="time"`` splits by)."""
+        return [f + i + w for f, i, w in zip(self.forward, self.input_grad, self.weight_grad)]
+
     def on_block(self, index: int, block: nn.Module, args: tuple, kwargs: dict, at: HiddenAt, hidden: Any) -> Any:
         if index == 0:  # the code before the backbone: its forward so far, and its backward
-            _sync(self.device)
-            self.costs[0] += time.perf_counter() - self.mark
+            synchronize(self.device)
             self.forward[0] += time.perf_counter() - self.mark
             if isinstance(hidden, torch.Tensor) and hidden.requires_grad:
                 start = time.perf_counter()
                 torch.autograd.backward(hidden, torch.ones_like(hidden))
-                _sync(self.device)
-                self.costs[0] += time.perf_counter() - start
+                synchronize(self.device)
                 self.weight_grad[0] += time.perf_counter() - start
         home = next((t.device for t in block.parameters()), None) or next((t.device for t in block.buffers()), None)
         block.to(self.device)
@@ -204,19 +202,17 @@ class _Profiled(BlockCalls):
             return t
 
         with untouched(block, self.device, drop_grads=True):
-            _sync(self.device)
+            synchronize(self.device)
             start = time.perf_counter()
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 out = block(*call_args, **call_kwargs)
-            _sync(self.device)
-            forward = time.perf_counter() - start
-            backward = (0.0, 0.0)
+            synchronize(self.device)
+            self.forward[index] += time.perf_counter() - start
             if torch.is_grad_enabled():
-                backward = self._backward(self.program.hidden_of(index, out).float().sum(), inp)
-            self.costs[index] += forward + sum(backward)
-            self.forward[index] += forward
-            self.input_grad[index] += backward[0]
-            self.weight_grad[index] += backward[1]
+                input_grad, weight_grad = backward_times(self.program.hidden_of(index, out).float().sum(), inp,
+                                                         self.device)
+                self.input_grad[index] += input_grad
+                self.weight_grad[index] += weight_grad
             self.saved[index] = saved[0]
         # What the step goes on with: the timed call's output, cut from its graph. The block is not called twice, so
         # an argument with state (an encoder-decoder's cache of keys and values) sees each call once, as in the step.
@@ -226,25 +222,27 @@ class _Profiled(BlockCalls):
         if index == len(self.program.backbone) - 1:  # the code after the backbone is timed from here
             last = self.program.hidden_of(index, out).detach()
             out = self.program.output_like(index, last.requires_grad_(last.is_floating_point()))
-            _sync(self.device)
+            synchronize(self.device)
             self.mark = time.perf_counter()
         return out
 
 
-    def _backward(self, loss: torch.Tensor, inp: torch.Tensor) -> tuple[float, float]:
-        """Time the input gradient alone (what zero-bubble schedules run first), then the whole backward; the weight
-        gradient is the difference. Returns both."""
-        input_grad = 0.0
-        if inp.requires_grad:
-            start = time.perf_counter()
-            torch.autograd.grad(loss, inp, retain_graph=True, allow_unused=True)
-            _sync(self.device)
-            input_grad = time.perf_counter() - start
+
+def backward_times(loss: torch.Tensor, inp: torch.Tensor, device: torch.device) -> tuple[float, float]:
+    """Seconds of ``loss``'s input gradient (with respect to ``inp``: what zero-bubble schedules run first) and weight
+    gradient: the input gradient alone, then the whole backward, whose excess is the weight gradient. Runs the
+    backward (the gradients accumulate)."""
+    input_grad = 0.0
+    if inp.requires_grad:
         start = time.perf_counter()
-        loss.backward()
-        _sync(self.device)
-        whole = time.perf_counter() - start
-        return min(input_grad, whole), max(whole - input_grad, 0.0)
+        torch.autograd.grad(loss, inp, retain_graph=True, allow_unused=True)
+        synchronize(device)
+        input_grad = time.perf_counter() - start
+    start = time.perf_counter()
+    loss.backward()
+    synchronize(device)
+    whole = time.perf_counter() - start
+    return min(input_grad, whole), max(whole - input_grad, 0.0)
 
 
 def require_real_weights(modules: list[nn.Module]) -> None:
@@ -256,7 +254,8 @@ def require_real_weights(modules: list[nn.Module]) -> None:
         )
 
 
-def _sync(device: torch.device) -> None:
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (a GPU's), so that a clock read after it counts the work."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 

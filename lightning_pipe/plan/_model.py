@@ -137,11 +137,9 @@ def measure_module_times(
 
     import torch
 
-    device = torch.device(device)
+    from lightning_pipe._model.profile import backward_times, synchronize
 
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+    device = torch.device(device)
 
     def real(module: nn.Module) -> nn.Module:
         if not any(t.is_meta for t in [*module.parameters(), *module.buffers()]):
@@ -167,24 +165,15 @@ def measure_module_times(
         samples = []
         for _ in range(repeats + 1):
             inp = x.detach().requires_grad_(x.is_floating_point())
-            sync()
+            synchronize(device)
             start = time.perf_counter()
             out = module(inp)
-            sync()
+            synchronize(device)
             forward = time.perf_counter() - start
             loss = (out[0] if isinstance(out, (tuple, list)) else out).float().sum()
-            input_grad = 0.0
-            if inp.requires_grad:
-                start = time.perf_counter()
-                torch.autograd.grad(loss, inp, retain_graph=True, allow_unused=True)
-                sync()
-                input_grad = time.perf_counter() - start
-            start = time.perf_counter()
-            loss.backward()
-            sync()
-            whole = time.perf_counter() - start
+            input_grad, weight_grad = backward_times(loss, inp, device)
             module.zero_grad(set_to_none=True)
-            samples.append((forward, min(input_grad, whole), max(whole - input_grad, 0.0)))
+            samples.append((forward, input_grad, weight_grad))
         times.append(tuple(statistics.median(s[k] for s in samples[1:]) / batch for k in range(3)))
         x = (out[0] if isinstance(out, (tuple, list)) else out).detach()
     return times  # type: ignore[return-value]
