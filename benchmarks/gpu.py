@@ -154,16 +154,21 @@ def timing(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def model_arguments(p: argparse.ArgumentParser) -> None:
+    """The example Llama's size, its batches and SGD's learning rate (``gpu_auto.py`` takes them too)."""
     p.add_argument("--dim", type=int, default=1024)
     p.add_argument("--n-layers", type=int, default=8)
     p.add_argument("--n-heads", type=int, default=16)
     p.add_argument("--vocab-size", type=int, default=256)
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--num-microbatches", type=int, default=4)
     p.add_argument("--lr", type=float, default=0.01)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    model_arguments(p)
+    p.add_argument("--num-microbatches", type=int, default=4)
     p.add_argument("--check-steps", type=int, default=4)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--steps", type=int, default=20)

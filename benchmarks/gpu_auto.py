@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import re
+import statistics
 import sys
 import time
 from typing import Any
@@ -25,7 +26,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from gpu import SGDLlama, Steps, _config, _loader
+from gpu import SGDLlama, Steps, _config, _loader, model_arguments
 
 from lightning_pipe import PipelineStrategy
 
@@ -54,22 +55,15 @@ def fit(args: argparse.Namespace, precision: str, **strategy: Any) -> tuple[list
     logging.getLogger("lightning.pytorch").removeHandler(handler)
     steps = [b - a for a, b in zip(record.starts, record.starts[1:])]
     runtime = trainer.strategy._runtime
-    tail = steps[runtime.trial_steps + 1:] or steps[-1:]
-    chosen = runtime.cut.choice
+    median = statistics.median(steps[runtime.trial_steps + 1:] or steps[-1:])
     print(f"{precision} {strategy}: {time.perf_counter() - begin:.1f} s, median step after the choice"
-          f" {sorted(tail)[len(tail) // 2] * 1e3:.1f} ms", flush=True)
-    return record.losses, chosen, sorted(tail)[len(tail) // 2], handler.lines
+          f" {median * 1e3:.1f} ms", flush=True)
+    return record.losses, runtime.cut.choice, median, handler.lines
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dim", type=int, default=1024)
-    p.add_argument("--n-layers", type=int, default=8)
-    p.add_argument("--n-heads", type=int, default=16)
-    p.add_argument("--vocab-size", type=int, default=256)
-    p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--lr", type=float, default=0.01)
+    model_arguments(p)
     p.add_argument("--steps", type=int, default=24)
     p.add_argument("--out", default=None)
     p.add_argument("--accelerator", default="gpu", help="cpu: a quick look at the mechanism, without the GPU paths")
