@@ -90,8 +90,9 @@ def build_pipeline(module: pl.LightningModule, trainer: pl.Trainer, args: SetupA
     if mode != "ddp":
         refuse_unshardable(mode, args.precision_plugin, trainer.callbacks)
     microbatches = MicrobatchPolicy(options.num_microbatches, options.schedule, dims.pipeline, options.stages_per_rank)
-    chooser = Chooser(options, dims.pipeline, _measure(module, args, microbatches), module, args.device, fitting)
-    cut = _cut_into_stages(module, args, fitting, chooser)
+    measure = _measure(module, args, microbatches)
+    chooser = Chooser(options, dims.pipeline, measure, module, args.device, fitting) if options.auto else None
+    cut = _cut_into_stages(module, args, fitting, measure, chooser)
     if cut.choice is not None:  # [Note: configuration by measurement]
         options = cut.choice.resolve(options)
         microbatches = MicrobatchPolicy(
@@ -109,7 +110,8 @@ def build_pipeline(module: pl.LightningModule, trainer: pl.Trainer, args: SetupA
         amp_scaler=getattr(args.precision_plugin, "scaler", None), timeline=options.timeline,
         check_data_every=options.check_data_every_n_batches, sharding=sharding,
         scale_group=dims.loss_weight_group, tensor_group=dims.tensor_group,
-        through_override=through_backward_override(module) if fitting else None, trial=chooser.trial,
+        through_override=through_backward_override(module) if fitting else None,
+        trial=chooser.trial if chooser is not None else None,
     )
     counted_once = {id(p) for group, params in ties for p in params if dist.get_rank(group) != 0}
     args.precision_plugin.connect_pipeline(dims.pipeline_group, counted=lambda p: id(p) not in counted_once)
@@ -123,13 +125,14 @@ def _measure(module: pl.LightningModule, args: SetupArgs, microbatches: Microbat
     )
 
 
-def _cut_into_stages(module: pl.LightningModule, args: SetupArgs, fitting: bool, chooser: Chooser) -> Cut:
+def _cut_into_stages(
+    module: pl.LightningModule, args: SetupArgs, fitting: bool, measure: Callable[..., Any], chooser: Optional[Chooser]
+) -> Cut:
     options, device = args.options, args.device
     return split_module(
         module, options.backbone, pipeline_parallel_size=args.dims.pipeline, stages_per_rank=options.stages_per_rank,
         pipeline_rank=args.dims.pipeline_rank, schedule=options.schedule, balance=options.balance, device=device,
-        fitting=fitting, sample=lambda: first_batch(module, args.batch_to_device), measure=chooser.measure,
-        choose=chooser if options.auto else None,
+        fitting=fitting, sample=lambda: first_batch(module, args.batch_to_device), measure=measure, choose=chooser,
     )
 
 
