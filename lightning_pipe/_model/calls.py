@@ -78,6 +78,11 @@ class Stop(BaseException):
         self.value = value
 
 
+class SecondPass(BackboneCallError):
+    """The step called the backbone again after a whole pass: it decodes (``generate()``, a sampling loop). The
+    evaluation steps then run in lock step (:mod:`lightning_pipe._step.generation`); elsewhere this is the error."""
+
+
 class Runner(nn.Module):
     """Stands in a backbone container for one block while a step runs under the pipeline.
 
@@ -117,6 +122,12 @@ class BlockCalls:
 
     def call_block(self, index: int, block: nn.Module, args: tuple, kwargs: dict) -> Any:
         backbone = self.program.backbone
+        if index == 0 and self.after_backbone:
+            raise SecondPass(
+                "The step called the backbone a second time (a decoding loop, `generate()`). `PipelineStrategy` runs"
+                " such loops in `validation_step`, `test_step` and `predict_step` (see docs/evaluation.md,"
+                " 'Generation'); a `training_step` must call the backbone once per batch."
+            )
         if index != self.next:
             raise BackboneCallError(
                 f"The step called block {index} (`{backbone.blocks[index].name}`) when block {self.next} was next."

@@ -86,6 +86,9 @@ class StepProgram(BlockRunners):
         self.batch_size = 0
         self.step_args: tuple = ()
         self.step_kwargs: dict = {}
+        #: the stages run to learn their shapes (``PipelineRuntime._probe``): state the step carries between calls
+        #: (a generation pass's caches) must not change
+        self.probing_shapes = False
 
     # ------------------------------------------------------------------------------------------------ the batch
     @contextmanager
@@ -102,8 +105,19 @@ class StepProgram(BlockRunners):
             self.step, self.batch, self.batch_size = None, None, 0
             self.step_args, self.step_kwargs = (), {}
 
+    @contextmanager
+    def shape_probe(self) -> Iterator[None]:
+        self.probing_shapes = True
+        try:
+            yield
+        finally:
+            self.probing_shapes = False
+
     def sub_batch(self, rows: Tensor) -> Any:
         start, stop = int(rows[0]), int(rows[-1]) + 1
+        rows_of = getattr(self.batch, "lp_rows", None)  # a generation pass's inputs slice themselves
+        if rows_of is not None:
+            return rows_of(start, stop, self.probing_shapes)
         return slice_batch(self.batch, self.batch_size, start, stop)
 
     # ------------------------------------------------------------------------------------------------ the modes

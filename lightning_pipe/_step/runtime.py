@@ -49,12 +49,13 @@ from lightning_pipe._ghost import Ghost, GhostValueError, contains_ghost
 from lightning_pipe._lightning.callbacks import align_param_groups
 from lightning_pipe._lightning.log import LogChannel, LogRecorder, replay
 from lightning_pipe._lightning.metrics import metrics_set_aside, module_metrics, per_batch_metrics
-from lightning_pipe._model.calls import loss_of
+from lightning_pipe._model.calls import SecondPass, loss_of
 from lightning_pipe._model.cut import Cut
 from lightning_pipe._model.shard import StageSharding
 from lightning_pipe._model.structure import everything_ghosted
 from lightning_pipe._model.untouched import untouched
 from lightning_pipe._step.auto import Config, Trial, describe_choice
+from lightning_pipe._step.generation import Generates, LockStep, random_state_of, set_random_state
 from lightning_pipe._step.gradients import Gradients
 from lightning_pipe._step.last_backward import ReductionOverlap
 from lightning_pipe._step.loss_weights import LossWeighing, warn_unweighted, whole
@@ -149,6 +150,7 @@ class PipelineRuntime:
         self._timeline_done = False
         self._trainable_checked: Optional[int] = None
         self._mean_warned = False
+        self.lock_step = LockStep(self)  # evaluation steps that generate ([Note: lock step])
         self.trial = trial  # `schedule="auto"`'s first steps ([Note: configuration by measurement])
         self.trial_steps = 0  # how many they were, once chosen
         if trial is not None and trial.chosen is not None:  # one candidate: nothing to time
@@ -285,9 +287,13 @@ class PipelineRuntime:
         module, program, pipeline = self.module, self.program, self.pipeline
         batch, *rest = args
         self._check_same_data("evaluation", batch, rest, kwargs)
+        if self.lock_step.generates(step):  # [Note: lock step]
+            with self._unsharded():
+                return self.lock_step.run(step, *args, **kwargs)
         batch_size = program.batch_size_of(step, *args, **kwargs)
         num_microbatches = self.microbatches.for_batch(batch_size)
         payload = None
+        random_state = random_state_of(self.device)  # put back if the step turns out to generate
         with self._unsharded():  # the last stage's own code runs the modules after the backbone too
             with program.holding(step, batch, batch_size, *rest, **kwargs):
                 sample = program.sub_batch(torch.arange(batch_size // num_microbatches))
@@ -295,13 +301,22 @@ class PipelineRuntime:
             if pipeline.has_last_stage:
                 recorder = LogRecorder()
                 recorder.start(batch_size)
-                with recorder.installed(module):
-                    result = program.run_answering(output, step, *args, **kwargs)
-                if contains_ghost(result):
-                    raise _ghost_result(step)
-                payload = (result, recorder.reduce(module))
+                try:
+                    with recorder.installed(module):
+                        result = program.run_answering(output, step, *args, **kwargs)
+                except SecondPass:
+                    payload = (Generates(), [])
+                else:
+                    if contains_ghost(result):
+                        raise _ghost_result(step)
+                    payload = (result, recorder.reduce(module))
         with self._waiting_for_last_stage():
             result, entries = self._eval_channel.share(payload)
+        if isinstance(result, Generates):  # run it again, in lock step
+            set_random_state(random_state, self.device)
+            self.lock_step.learn(step)
+            with self._unsharded():
+                return self.lock_step.run(step, *args, **kwargs)
         replay(module, entries, self.device, self.dp_group)
         return apply_to_collection(result, Tensor, lambda t: t.to(self.device))
 
@@ -348,6 +363,10 @@ class PipelineRuntime:
         The stage runs on ghosts: no compute, nothing changes (buffers, random state, metrics). A stage that cannot
         (a block with value-dependent shapes) runs once for real on a zero input, without gradients, and everything
         it touched is put back."""
+        with self.program.shape_probe():
+            return self._probe_shapes(stage, rows, received)
+
+    def _probe_shapes(self, stage: int, rows: Tensor, received: Optional[tuple]) -> tuple:
         module, program = self.module, self.program
         ghost_in = tuple(
             Ghost(torch.empty(shape, dtype=dtype, device="meta"), self.device) for shape, dtype in received or ()

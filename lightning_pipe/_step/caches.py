@@ -1,0 +1,234 @@
+"""Key-value caches of a generation pass, split per microbatch and per stage.
+
+[Note: caches per microbatch] A decoding loop hands the model one cache object for the whole batch
+(``generate()``'s ``DynamicCache``); each attention layer appends the keys and values of its new tokens to its own
+entry in it. Under the pipeline a pass runs microbatch by microbatch, and each stage runs only its own layers. So:
+
+- every microbatch (its rows ``start:stop``) gets a cache of its own, made from the user's while that is still
+  empty, and the stage runs see it in place of the user's (:meth:`PassCaches.for_rows`); the layers a rank runs fill
+  their entries in it, nothing else does: each stage holds the keys and values of its own layers only, bounded by
+  the prompt plus the new tokens;
+- the entries of the layers another stage runs, in every microbatch's cache and in the user's, are *ghosts* of the
+  right shape after each pass (:meth:`PassCaches.mirror`): ``get_seq_length`` and ``get_mask_sizes`` answer the
+  same on every stage (position ids, ``cache_position`` and masks are computed from them on every stage), with no
+  memory;
+- beam search reorders the user's cache between steps: that call reorders the rows over the microbatches' caches
+  (:meth:`PassCaches.reorder`);
+- the shape probe of a new microbatch shape runs on ghost copies, so it changes nothing;
+- at the end of the step everything is dropped (:meth:`PassCaches.release`): the memory goes with the step.
+
+What is split is Hugging Face's ``Cache`` with dynamic layers (the default of ``generate()``, sliding windows
+included). A cache of another kind (static, quantised, offloaded, encoder-decoder, linear attention) is refused at its
+first pass, naming the fix; a cache the loop filled before the pipeline saw it too.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+from lightning_pipe._errors import BackboneCallError
+from lightning_pipe._ghost import Ghost
+
+#: The layer kinds of Hugging Face's caches that split by rows: keys and values ``[batch, heads, length, dim]`` and
+#: counters that are the same for every row.
+_SPLITTABLE = ("DynamicLayer", "DynamicSlidingWindowLayer")
+#: What a decoding loop may do to a cache besides passing it to the model; reordering is handled, the others refused.
+_REFUSED = ("crop", "batch_repeat_interleave", "batch_select_indices", "reset", "offload", "prefetch")
+
+
+def is_cache(value: Any) -> bool:
+    """Whether ``value`` is a cache object (Hugging Face's ``Cache`` and its look-alikes): per-layer state a pass
+    updates in place."""
+    return hasattr(value, "get_seq_length") and hasattr(value, "update") and not isinstance(value, Tensor)
+
+
+class PassCaches:
+    """The microbatch caches of one step's generation passes on this rank (see [Note: caches per microbatch])."""
+
+    def __init__(self, num_layers: int) -> None:
+        self.num_layers = num_layers  # entries a cache made on first use gets up front
+        self._before: dict[int, list[Any]] = {}  # id(microbatch cache) -> its entries as the pass started
+        self._subs: dict[int, dict[tuple[int, int], Any]] = {}  # id(user's cache) -> rows -> that microbatch's cache
+        self._users: dict[int, Any] = {}  # id -> the user's cache (kept alive while its microbatch caches are)
+        self._patched: list[tuple[Any, str]] = []
+
+    def for_rows(self, cache: Any, start: int, stop: int, probing: bool) -> Any:
+        """The cache the rows ``start:stop`` of a pass see in place of ``cache``."""
+        subs = self._subs.get(id(cache))
+        if subs is None:
+            _check_splittable(cache)
+            subs = self._subs[id(cache)] = {}
+            self._users[id(cache)] = cache
+            self._patch(cache)
+        sub = subs.get((start, stop))
+        if probing:
+            return _ghost_copy(sub if sub is not None else cache)
+        if sub is None:
+            if _filled(cache):
+                raise BackboneCallError(
+                    "A generation pass got a key-value cache that already holds tokens the pipeline did not compute"
+                    f" ({type(cache).__name__} with {cache.get_seq_length()} positions). Under `PipelineStrategy`"
+                    " the pipeline fills the cache: start decoding from an empty cache (as `generate()` does)."
+                )
+            sub = subs[(start, stop)] = copy.deepcopy(cache)
+            for _, name in self._patched:
+                vars(sub).pop(name, None)
+            if getattr(sub, "layer_class_to_replicate", None) is not None:  # entries made on first use: made now
+                while len(sub.layers) < self.num_layers:
+                    sub.layers.append(sub.layer_class_to_replicate())
+            self._before[id(sub)] = [_ghost_layer(layer) for layer in sub.layers]
+        return _pass_view(sub, self._before[id(sub)])
+
+    def begin_pass(self) -> None:
+        """What every microbatch cache holds as a pass starts: a stage's code before its own layers reads it, also
+        after another stage of this rank has run its layers in this pass (several stages per rank)."""
+        for subs in self._subs.values():
+            for sub in subs.values():
+                self._before[id(sub)] = [_ghost_layer(layer) for layer in sub.layers]
+
+    def mirror(self) -> None:
+        """After a pass: the entries of layers this rank does not run become ghosts of those it runs, in every
+        microbatch's cache and in the user's (whose entries are all ghosts, of the whole batch)."""
+        for key, subs in self._subs.items():
+            if not subs:
+                continue
+            for sub in subs.values():
+                _mirror_layers(sub.layers, sub.layers, rows=None)
+            ordered = [subs[rows] for rows in sorted(subs)]
+            total = sum(stop - start for start, stop in subs)
+            user = self._users[key]
+            first = ordered[0].layers
+            while len(user.layers) < len(first):
+                user.layers.append(copy.copy(first[len(user.layers)]))
+            _mirror_layers(user.layers, first, rows=total, everything=True)
+
+    def reorder(self, cache: Any, beam_idx: Tensor) -> None:
+        """Beam search's reordering of ``cache``'s rows, done on the microbatches' caches: rows move between them."""
+        subs = self._subs.get(id(cache), {})
+        ordered = sorted(subs)
+        if not ordered:
+            return
+        caches = [subs[rows] for rows in ordered]
+        sizes = [stop - start for start, stop in ordered]
+        for index in range(len(caches[0].layers)):
+            layers = [c.layers[index] for c in caches]
+            if not _holds(layers[0]):
+                continue
+            for name in ("keys", "values"):
+                whole = torch.cat([getattr(layer, name) for layer in layers])
+                whole = whole.index_select(0, beam_idx.to(whole.device))
+                for layer, part in zip(layers, whole.split(sizes)):
+                    setattr(layer, name, part)
+        self.mirror()
+
+    def release(self) -> None:
+        """Drop every microbatch cache (the step ended) and undo the patches on the users' caches."""
+        for cache, name in self._patched:
+            vars(cache).pop(name, None)
+        self._patched = []
+        self._subs.clear()
+        self._users.clear()
+        self._before.clear()
+
+    @property
+    def live(self) -> list[Any]:
+        """The microbatch caches held now (a test checks that a step leaves none)."""
+        return [sub for subs in self._subs.values() for sub in subs.values()]
+
+    def _patch(self, cache: Any) -> None:
+        """The user's cache answers the loop's reorder on the microbatches' caches and refuses what cannot split."""
+        vars(cache)["reorder_cache"] = lambda beam_idx: self.reorder(cache, beam_idx)
+        self._patched.append((cache, "reorder_cache"))
+        for name in _REFUSED:
+            if callable(getattr(cache, name, None)):
+                vars(cache)[name] = _refused(type(cache).__name__, name)
+                self._patched.append((cache, name))
+
+
+def _pass_view(cache: Any, before: list[Any]) -> Any:
+    """A microbatch cache as one stage run sees it during a pass: a copy whose entries read as the pass started and
+    whose ``update`` goes to the cache's own entries."""
+    view = copy.copy(cache)
+    view.layers = []
+    for now, then in zip(cache.layers, before):
+        entry = copy.copy(then)
+        entry.update = now.update
+        view.layers.append(entry)
+    return view
+
+
+def _refused(kind: str, name: str) -> Any:
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise BackboneCallError(
+            f"The decoding loop called `{kind}.{name}()` on a cache that `PipelineStrategy` splits over microbatches"
+            " and stages; only `reorder_cache` (beam search) is supported. Use greedy, sampling or beam search"
+            " without assisted decoding, or run this evaluation without the pipeline."
+        )
+
+    return refuse
+
+
+def _check_splittable(cache: Any) -> None:
+    layers = getattr(cache, "layers", None)
+    kinds = sorted({type(layer).__name__ for layer in layers or ()} - set(_SPLITTABLE))
+    if layers is None or kinds or getattr(cache, "offloading", False):
+        what = f"layers of kind {', '.join(kinds)}" if kinds else "no per-layer entries the pipeline can split"
+        if getattr(cache, "offloading", False):
+            what = "offloading"
+        raise BackboneCallError(
+            f"A generation pass got a {type(cache).__name__} with {what}. `PipelineStrategy` splits a key-value cache"
+            f" over microbatches and stages when its layers are {' or '.join(_SPLITTABLE)} (a `DynamicCache`, the"
+            " default of `generate()`): pass `cache_implementation=\"dynamic\"` to `generate()`, or leave the cache"
+            " to it."
+        )
+
+
+def _filled(cache: Any) -> bool:
+    return any(_holds(layer) or isinstance(getattr(layer, "keys", None), Ghost) for layer in cache.layers)
+
+
+def _holds(layer: Any) -> bool:
+    """Whether a cache layer holds real keys (this rank runs it)."""
+    keys = getattr(layer, "keys", None)
+    return isinstance(keys, Tensor) and not isinstance(keys, Ghost) and keys.numel() > 0
+
+
+def _ghost_layer(layer: Any, rows: Optional[int] = None) -> Any:
+    """A shallow copy of ``layer`` whose keys and values are ghosts (of ``rows`` rows when given)."""
+    twin = copy.copy(layer)
+    for name in ("keys", "values"):
+        value = getattr(layer, name, None)
+        if isinstance(value, Tensor):
+            shape = (rows, *value.shape[1:]) if rows is not None and value.dim() > 0 else tuple(value.shape)
+            setattr(twin, name, Ghost(torch.empty(shape, dtype=value.dtype, device="meta"), value.device))
+    return twin
+
+
+def _mirror_layers(target: list, source: list, rows: Optional[int], everything: bool = False) -> None:
+    """Each entry of ``target`` that this rank does not run (or every entry, ``everything``) becomes a ghost copy of
+    the first entry of ``source`` this rank runs, of the same kind."""
+    runs = {}
+    for layer in source:
+        if _holds(layer):
+            runs.setdefault(type(layer), layer)
+    for index, layer in enumerate(target):
+        if not everything and _holds(layer):
+            continue
+        own = source[index] if index < len(source) and _holds(source[index]) else None
+        model = own if own is not None else runs.get(type(layer))
+        if model is not None:
+            target[index] = _ghost_layer(model, rows)
+
+
+def _ghost_copy(cache: Any) -> Any:
+    """A copy of ``cache`` whose layers hold ghosts: what a shape probe may change."""
+    twin = copy.copy(cache)
+    twin.layers = [_ghost_layer(layer) if _holds(layer) or isinstance(getattr(layer, "keys", None), Ghost)
+                   else copy.copy(layer) for layer in cache.layers]
+    vars(twin).pop("reorder_cache", None)
+    return twin
+

@@ -1,0 +1,344 @@
+"""Generation through the pipeline: evaluation steps that call the model once per decoding step.
+
+[Note: lock step] A ``validation_step``, ``test_step`` or ``predict_step`` that generates (``model.generate()``,
+nanoGPT's sampling loop, a hand-written beam search) calls the backbone once per new token, and what it feeds the
+next call (the chosen tokens, the beams, whether to stop) is decided from what the last stage computed. Such a step
+runs on every rank of the pipeline at once, as a whole, on the real batch:
+
+- **The pass.** The loop calls a module whose forward runs the backbone (the Hugging Face model, nanoGPT's ``GPT``,
+  the LightningModule through ``self(...)``): the outermost *path module* (the LightningModule and the modules on
+  the way to the backbone's containers) in progress when the backbone is reached. That call is a *pass*. Every rank
+  runs it through torch's forward-only schedule (:meth:`LockStep._pass`): its inputs are split into microbatches by
+  rows, each stage runs the forward on its own blocks as in any evaluation step (:mod:`lightning_pipe._step.program`),
+  and the last stage runs the code after the backbone (final norm, head) on the merged output of its blocks.
+- **The answer.** The last stage sends what the forward returned (the logits, a ``ModelOutput``) to every rank of the
+  pipeline, and every rank returns it from the call (:meth:`LockStep._share`). So every rank runs the same Python
+  control flow on the same real values: ``argmax``, logits processors, stopping criteria, beam indices, sampling. A
+  value the next pass depends on is never a stand-in.
+- **The random state** is the last stage's on every rank when the step starts: sampling draws the same tokens
+  everywhere.
+- **Caches** are split per microbatch, each stage keeping its own layers' entries ([Note: caches per microbatch] in
+  :mod:`lightning_pipe._step.caches`); ``get_seq_length`` answers the same on every stage.
+- **Logs and metrics** are computed on every rank from the same values, so every rank logs what one device logs.
+
+A step is known to generate once its first batch called the backbone a second time: on the last stage that is the
+:class:`~lightning_pipe._model.calls.SecondPass` the single-pass evaluation meets; every rank learns it from the
+last stage, the random state is put back, and the batch runs again in lock step. Later batches of that step run in
+lock step from the start.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
+
+from lightning_pipe import _watchdog
+from lightning_pipe._errors import BackboneCallError
+from lightning_pipe._ghost import Ghost, GhostValueError, contains_ghost
+from lightning_pipe._model.calls import slice_batch
+from lightning_pipe._step.caches import PassCaches, is_cache
+
+if TYPE_CHECKING:
+    from lightning_pipe._step.runtime import PipelineRuntime
+
+#: Keyword arguments of a pass that are never split by rows, even when their length equals the batch size (a prompt
+#: of as many tokens as there are prompts): Hugging Face's and litgpt's positions of the new tokens.
+_NOT_BATCHED = frozenset({"cache_position", "input_pos", "input_pos_maxp1"})
+_PRIMITIVE = (type(None), bool, int, float, str)
+
+
+@dataclass(frozen=True)
+class Generates:
+    """What the last stage answers for a batch whose step turned out to generate (:class:`SecondPass`)."""
+
+
+@dataclass
+class PassStats:
+    """What the passes of the lock-step steps cost on this rank (the generation benchmark reads it)."""
+
+    passes: int = 0
+    seconds: float = 0.0  # inside passes: the schedule, the last stage's head and the answer's broadcast
+    rows: list[int] = field(default_factory=list)  # rows per pass
+
+
+class LockStep:
+    """The lock-step evaluation steps of one runtime (see [Note: lock step])."""
+
+    def __init__(self, runtime: PipelineRuntime) -> None:
+        self.runtime = runtime
+        self.steps: set[str] = set()  # names of the steps known to generate
+        self.caches = PassCaches(len(runtime.cut.backbone))
+        self.stats = PassStats()
+        self._in_pass = False
+        module, paths = runtime.module, runtime.cut.backbone.paths
+        prefixes = {".".join(p.split(".")[:i]) for p in paths for i in range(len(p.split(".")))}
+        self._path_modules = [module.get_submodule(p) for p in sorted(prefixes, key=len)]
+
+    def generates(self, step: Callable[..., Any]) -> bool:
+        return _name(step) in self.steps
+
+    def learn(self, step: Callable[..., Any]) -> None:
+        self.steps.add(_name(step))
+
+    def run(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """The whole step on this rank, its passes through the pipeline; returns what the step returns."""
+        self._sync_random_state()
+        try:
+            with self._path_calls_intercepted():
+                result = step(*args, **kwargs)
+        except GhostValueError as err:
+            raise BackboneCallError(
+                f"`{_name(step)}` generates, so it runs on every pipeline rank, but it read a value this rank does not"
+                f" compute ({err}). Between decoding steps the loop may only use what the model call returns: call"
+                " the module whose forward runs the whole model, embedding to head (`self.model.generate(...)`,"
+                " `self(...)`), instead of the backbone or its blocks directly."
+            ) from err
+        finally:
+            self.caches.release()
+        if contains_ghost(result):
+            raise BackboneCallError(
+                f"`{_name(step)}` returns values this pipeline rank does not compute; return values computed from the"
+                " model calls' outputs and the batch."
+            )
+        return result
+
+    # ------------------------------------------------------------------------------------------------ the passes
+    @contextmanager
+    def _path_calls_intercepted(self) -> Iterator[None]:
+        """Route the calls of the path modules through :meth:`_pass` while the step runs."""
+        saved = []
+        for module in self._path_modules:
+            saved.append((module, vars(module).get("forward")))
+            module.forward = self._intercepting(module, module.forward)  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            for module, own in reversed(saved):
+                if own is None:
+                    del module.forward
+                else:
+                    module.forward = own  # type: ignore[method-assign]
+
+    def _intercepting(self, module: nn.Module, forward: Callable[..., Any]) -> Callable[..., Any]:
+        # `wraps` keeps the signature: `generate()` reads it (it passes `position_ids` to a forward that takes them)
+        @functools.wraps(forward)
+        def intercepted(*args: Any, **kwargs: Any) -> Any:
+            if self._in_pass or self.runtime.program.current is not None:
+                return forward(*args, **kwargs)  # inside a pass: the stage's own run
+            self._in_pass = True
+            start = time.perf_counter()
+            try:
+                return self._pass(module, args, kwargs)
+            finally:
+                self._in_pass = False
+                self.stats.passes += 1
+                self.stats.seconds += time.perf_counter() - start
+
+        return intercepted
+
+    def _pass(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        """One call of ``module`` through the pipeline; returns the last stage's result on every rank."""
+        runtime = self.runtime
+        program, pipeline = runtime.program, runtime.pipeline
+        call = functools.partial(_call, module)
+        _check_caches(args, kwargs)
+        batch_size = program.batch_size_of(call, (args, kwargs))
+        num_microbatches = runtime.microbatches.for_batch(batch_size)
+        self.stats.rows.append(batch_size)
+        self.caches.begin_pass()
+        inputs = _PassInputs(args, kwargs, batch_size, self.caches)
+        with program.holding(call, inputs, batch_size):
+            sample = program.sub_batch(torch.arange(batch_size // num_microbatches))
+            output = pipeline.eval_step(sample, batch_size, num_microbatches)
+        answer: Any = None
+        failed = None
+        if pipeline.has_last_stage:
+            try:
+                answer = program.run_answering(output, call, (args, kwargs))
+            except Exception as err:  # every rank raises it, instead of waiting for the answer
+                failed = err
+                answer = _Failed(f"{type(err).__name__}: {err}")
+        result = self._share(answer, (args, kwargs))
+        if failed is not None:
+            raise failed
+        self.caches.mirror()
+        return result
+
+    def _share(self, answer: Any, inputs: Any) -> Any:
+        """The last stage's ``answer`` on every rank of the pipeline: its tensors broadcast, the objects it passed
+        through from the call's inputs (a cache) taken from this rank's own inputs."""
+        runtime = self.runtime
+        group, src, device = runtime.pipeline.group, runtime.pipeline.last_stage_rank, runtime.device
+        input_leaves = tree_leaves(inputs)
+        header: list[Any] = [None]
+        tensors: list[Tensor] = []
+        if runtime.pipeline.has_last_stage:
+            header[0], tensors = _describe(answer, input_leaves)
+        if runtime.layout.pipeline_size == 1:
+            return _rebuild(*header[0], tensors, input_leaves)
+        what = f"the model's output from the last stage (pipeline rank {src}), in a decoding step"
+        with _watchdog.waiting(lambda: what):
+            dist.broadcast_object_list(header, group_src=src, group=group)
+            spec, kinds = header[0]
+            if isinstance(spec, _Failed):
+                return _rebuild(spec, kinds, [], input_leaves)  # raises
+            received = []
+            for kind in kinds:
+                if kind[0] != "tensor":
+                    continue
+                if runtime.pipeline.has_last_stage:
+                    buffer = tensors[len(received)]
+                else:
+                    buffer = torch.empty(kind[1], dtype=kind[2], device=device)
+                dist.broadcast(buffer, group_src=src, group=group)
+                received.append(buffer)
+        return _rebuild(spec, kinds, received, input_leaves)
+
+    def _sync_random_state(self) -> None:
+        """Every rank of the pipeline takes the last stage's random state (sampling draws the same tokens)."""
+        runtime = self.runtime
+        if runtime.layout.pipeline_size == 1:
+            return
+        device = runtime.device
+        states = random_state_of(device)
+        group, src = runtime.pipeline.group, runtime.pipeline.last_stage_rank
+        with _watchdog.waiting(lambda: f"the random state of the last stage (pipeline rank {src})"):
+            for i, state in enumerate(states):
+                moved = state.to(device)
+                dist.broadcast(moved, group_src=src, group=group)
+                states[i] = moved.cpu()
+        set_random_state(states, device)
+
+
+def random_state_of(device: torch.device) -> list[Tensor]:
+    """torch's random state on the host, and on ``device`` when it is a GPU."""
+    states = [torch.get_rng_state()]
+    if device.type == "cuda":
+        states.append(torch.cuda.get_rng_state(device))
+    return states
+
+
+def set_random_state(states: list[Tensor], device: torch.device) -> None:
+    torch.set_rng_state(states[0])
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(states[1], device)
+
+
+@dataclass(frozen=True)
+class _Failed:
+    message: str
+
+
+class _PassInputs:
+    """A pass's arguments; :meth:`lp_rows` gives a microbatch's (``StepProgram.sub_batch`` calls it)."""
+
+    def __init__(self, args: tuple, kwargs: dict, batch_size: int, caches: PassCaches) -> None:
+        self.args, self.kwargs, self.batch_size, self.caches = args, kwargs, batch_size, caches
+
+    def lp_rows(self, start: int, stop: int, probing: bool) -> tuple[tuple, dict]:
+        def cut(value: Any, name: Any = None) -> Any:
+            if is_cache(value):
+                return self.caches.for_rows(value, start, stop, probing)
+            if name in _NOT_BATCHED:
+                return value
+            return slice_batch(value, self.batch_size, start, stop)
+
+        return tuple(cut(a) for a in self.args), {k: cut(v, k) for k, v in self.kwargs.items()}
+
+
+def _call(module: nn.Module, inputs: tuple[tuple, dict]) -> Any:
+    args, kwargs = inputs
+    return module(*args, **kwargs)
+
+
+def _check_caches(args: tuple, kwargs: dict) -> None:
+    """A cache inside a container would reach every microbatch whole: refused."""
+    for value in (*args, *kwargs.values()):
+        if is_cache(value):
+            continue
+        for leaf in tree_leaves(value):
+            if is_cache(leaf):
+                raise BackboneCallError(
+                    f"A generation pass got a key-value cache ({type(leaf).__name__}) inside a container."
+                    " `PipelineStrategy` splits a cache passed as an argument of the model call itself (as"
+                    " `generate()` passes `past_key_values`): pass it as its own argument."
+                )
+
+
+def _describe(answer: Any, input_leaves: list[Any]) -> tuple[tuple[Any, list[tuple]], list[Tensor]]:
+    """The header of the last stage's answer (its tree, and per leaf: a tensor's shape and dtype, an input's
+    position, or a plain value) and its tensors."""
+    if isinstance(answer, _Failed):
+        return (answer, []), []
+    leaves, spec = tree_flatten(answer)
+    kinds: list[tuple] = []
+    tensors: list[Tensor] = []
+    for leaf in leaves:
+        if isinstance(leaf, Ghost):
+            return (_Failed(f"the model call returns {leaf!r}, which the last stage does not compute"), []), []
+        if isinstance(leaf, Tensor):
+            tensors.append(leaf.detach().contiguous())
+            kinds.append(("tensor", tuple(leaf.shape), leaf.dtype))
+            continue
+        position = next((i for i, x in enumerate(input_leaves) if x is leaf), None)
+        if position is not None:
+            kinds.append(("input", position))
+        elif isinstance(leaf, _PRIMITIVE):
+            kinds.append(("value", leaf))
+        elif is_cache(leaf):  # made inside the call (a forward without a cache given): only its last stage's part
+            kinds.append(("unavailable", type(leaf).__name__))
+        else:
+            return (_Failed(
+                f"the model call returns a {type(leaf).__name__} it created; under `PipelineStrategy` a decoding step"
+                " may return tensors, plain values and the objects it was given. Create the cache before the loop"
+                " and pass it in (`past_key_values=DynamicCache(...)`), as `generate()` does"
+            ), []), []
+    return (spec, kinds), tensors
+
+
+def _rebuild(spec: Any, kinds: list[tuple], tensors: list[Tensor], input_leaves: list[Any]) -> Any:
+    if isinstance(spec, _Failed):
+        raise BackboneCallError(f"The last pipeline stage failed in a generation pass: {spec.message}")
+    leaves, taken = [], iter(tensors)
+    for kind in kinds:
+        if kind[0] == "tensor":
+            leaves.append(next(taken))
+        elif kind[0] == "input":
+            leaves.append(input_leaves[kind[1]])
+        elif kind[0] == "unavailable":
+            leaves.append(_Unavailable(kind[1]))
+        else:
+            leaves.append(kind[1])
+    return tree_unflatten(leaves, spec)
+
+
+class _Unavailable:
+    """A cache a pipelined call made itself and returned: each stage filled its own part of a copy of its own, so
+    there is no whole one to return. Any use of it raises."""
+
+    def __init__(self, kind: str) -> None:
+        self._kind = kind
+
+    def __getattr__(self, name: str) -> Any:
+        raise BackboneCallError(
+            f"This {self._kind} was created inside a call of the pipelined model, which returns it; under"
+            " `PipelineStrategy` each stage holds its own layers' part of it, so it cannot be used after the call."
+            " To decode with a cache, create it before the loop and pass it in (`past_key_values=DynamicCache(...)`,"
+            " as `generate()` does)."
+        )
+
+    def __repr__(self) -> str:
+        return f"<{self._kind} held by the pipeline stages>"
+
+
+def _name(step: Callable[..., Any]) -> str:
+    return getattr(step, "__name__", repr(step))
