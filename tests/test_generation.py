@@ -125,3 +125,76 @@ def test_an_unsplittable_cache_fails_on_every_rank_naming_the_fix(launched: Path
         found = torch.load(launched / f"static_cache.rank{r}.pt", weights_only=False)
         assert found["error"] is not None, r
         assert "StaticLayer" in found["error"] and 'cache_implementation="dynamic"' in found["error"], found["error"]
+
+
+# ----------------------------------------------------------------------------------------------------- in process
+def _filled_views(rows: list[tuple[int, int]], length: int) -> tuple[Any, Any]:
+    """A user's DynamicCache of 2 layers split over ``rows``; this rank runs layer 0 and fills ``length`` positions of
+    it per microbatch (row ``i`` holds the value ``i``)."""
+    from transformers import DynamicCache
+
+    from lightning_pipe._step.caches import PassCaches
+
+    caches = PassCaches(num_layers=2)
+    user = DynamicCache()
+    for start, stop in rows:
+        view = caches.for_rows(user, start, stop, probing=False)
+        keys = torch.arange(start, stop, dtype=torch.float32).view(-1, 1, 1, 1).expand(-1, 2, length, 4).clone()
+        view.update(keys, keys + 100, 0)
+    caches.mirror()
+    return caches, user
+
+
+def test_caches_hold_their_rows_and_answer_like_one_cache() -> None:
+    from lightning_pipe._ghost import Ghost
+
+    caches, user = _filled_views([(0, 2), (2, 4)], length=5)
+    subs = caches.live
+    assert len(subs) == 2
+    for sub in subs:  # layer 0 is this rank's, layer 1 another stage's: a ghost of the same shape
+        assert type(sub.layers[0].keys) is torch.Tensor and isinstance(sub.layers[1].keys, Ghost)
+        assert sub.get_seq_length() == 5 and sub.layers[1].get_seq_length() == 5
+    assert all(isinstance(layer.keys, Ghost) for layer in user.layers)  # the user's holds no memory
+    assert user.get_seq_length() == 5 and tuple(user.layers[0].keys.shape) == (4, 2, 5, 4)
+    assert user.get_mask_sizes(torch.arange(1), 0) == subs[0].get_mask_sizes(torch.arange(1), 0)
+
+
+def test_a_pass_reads_the_cache_as_it_started() -> None:
+    """With several stages per rank, a later stage's code before its layers must not see what an earlier stage of
+    the same rank appended in this pass."""
+    caches, user = _filled_views([(0, 2)], length=5)
+    caches.begin_pass()
+    first = caches.for_rows(user, 0, 2, probing=False)
+    first.update(torch.zeros(2, 2, 1, 4), torch.zeros(2, 2, 1, 4), 0)  # stage 0 appends its new token
+    later = caches.for_rows(user, 0, 2, probing=False)
+    assert later.get_seq_length() == 5 and caches.live[0].get_seq_length() == 6
+
+
+def test_beam_reorder_moves_rows_between_microbatches() -> None:
+    caches, user = _filled_views([(0, 2), (2, 4)], length=3)
+    user.reorder_cache(torch.tensor([3, 0, 0, 2]))
+    rows = torch.cat([sub.layers[0].keys[:, 0, 0, 0] for sub in caches.live])
+    assert rows.tolist() == [3.0, 0.0, 0.0, 2.0]
+    values = torch.cat([sub.layers[0].values[:, 0, 0, 0] for sub in caches.live])
+    assert values.tolist() == [103.0, 100.0, 100.0, 102.0]
+
+
+def test_what_cannot_split_is_refused_and_release_frees() -> None:
+    import weakref
+
+    from transformers import DynamicCache
+
+    from lightning_pipe import BackboneCallError
+    from lightning_pipe._step.caches import PassCaches
+
+    caches, user = _filled_views([(0, 2), (2, 4)], length=3)
+    with pytest.raises(BackboneCallError, match="crop"):
+        user.crop(1)
+    refs = [weakref.ref(sub) for sub in caches.live]
+    caches.release()
+    assert caches.live == [] and all(r() is None for r in refs)
+    assert "crop" not in vars(user)  # the user's cache is its own again
+    filled = DynamicCache()
+    filled.update(torch.zeros(2, 2, 3, 4), torch.zeros(2, 2, 3, 4), 0)
+    with pytest.raises(BackboneCallError, match="already holds tokens"):
+        PassCaches(num_layers=2).for_rows(filled, 0, 1, probing=False)
