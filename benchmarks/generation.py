@@ -3,7 +3,7 @@
     (a) single       plain Lightning, one process: ``predict_step`` calls ``model.generate(...)``
     (b) pipelined    ``PipelineStrategy(pipeline_parallel_size=2, num_microbatches=M)``, the same ``predict_step``:
                      every model call of ``generate()`` (prefill and each decode step) runs through torch's
-                     forward-only schedule in M microbatches ([Note: lock step] in ``lightning_pipe/_step/generation.py``)
+                     forward-only schedule in M microbatches ([Note: lock step], ``lightning_pipe/_step/generation.py``)
     (c) unsplit      the same with ``num_microbatches=1``: each step's whole batch goes through the stages one after
                      the other, so each rank idles (p - 1) / p of the time
 
