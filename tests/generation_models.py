@@ -121,10 +121,11 @@ class GenerativeLM(zoo.Lit):
 class NanoGenerator(zoo.Lit):
     """The zoo's nanoGPT with nanoGPT's own ``generate`` loop."""
 
-    def __init__(self, sample: bool = False, **kwargs: Any) -> None:
+    def __init__(self, sample: bool = False, inline: bool = False, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.model = zoo.NanoGPT(4)
         self.sample = sample
+        self.inline = inline  # the loop runs the model's parts itself instead of calling it: refused
         self.generated: list[torch.Tensor] = []
 
     def loss(self, batch: Any) -> torch.Tensor:
@@ -136,7 +137,14 @@ class NanoGenerator(zoo.Lit):
                          top_k: Optional[int] = None) -> torch.Tensor:
         for _ in range(max_new_tokens):  # nanoGPT's GPT.generate, as written there
             idx_cond = idx if idx.size(1) <= zoo.SEQ else idx[:, -zoo.SEQ:]
-            logits, _ = self.model(idx_cond)
+            if self.inline:
+                t = self.model.transformer
+                x = t.wte(idx_cond) + t.wpe(torch.arange(idx_cond.shape[1], device=idx.device))
+                for block in t.h:
+                    x = block(x)
+                logits = self.model.lm_head(t.ln_f(x))
+            else:
+                logits, _ = self.model(idx_cond)
             logits = logits[:, -1, :] / temperature
             if top_k is not None:
                 v, _ = torch.topk(logits, min(top_k, logits.size(-1)))

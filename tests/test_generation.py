@@ -45,6 +45,7 @@ CASES = [
 ]
 ERRORS = [
     case("static_cache", "lm", PP2, model_kwargs={"family": "llama", "decode": "static"}, expect_error=True),
+    case("inline_loop", "nano", PP4, model_kwargs={"inline": True}, expect_error=True),
 ]
 
 
@@ -125,6 +126,13 @@ def test_an_unsplittable_cache_fails_on_every_rank_naming_the_fix(launched: Path
         found = torch.load(launched / f"static_cache.rank{r}.pt", weights_only=False)
         assert found["error"] is not None, r
         assert "StaticLayer" in found["error"] and 'cache_implementation="dynamic"' in found["error"], found["error"]
+
+
+@pytest.mark.dist
+def test_a_loop_that_runs_the_blocks_itself_fails_on_every_rank(launched: Path) -> None:
+    for r in range(4):
+        found = torch.load(launched / f"inline_loop.rank{r}.pt", weights_only=False)
+        assert found["error"] is not None and "must call the model" in found["error"], found["error"]
 
 
 # ----------------------------------------------------------------------------------------------------- in process

@@ -124,9 +124,9 @@ class BlockCalls:
         backbone = self.program.backbone
         if index == 0 and self.after_backbone:
             raise SecondPass(
-                "The step called the backbone a second time (a decoding loop, `generate()`). `PipelineStrategy` runs"
-                " such loops in `validation_step`, `test_step` and `predict_step` (see docs/evaluation.md,"
-                " 'Generation'); a `training_step` must call the backbone once per batch."
+                "The step called the backbone a second time. `PipelineStrategy` runs each backbone block exactly once"
+                " per step in `training_step`: call the backbone once per batch. (Decoding loops, `generate()`, run"
+                " in `validation_step`, `test_step` and `predict_step`: see docs/evaluation.md, 'Generation'.)"
             )
         if index != self.next:
             raise BackboneCallError(

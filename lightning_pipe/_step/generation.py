@@ -119,14 +119,25 @@ class LockStep:
         for module in self._path_modules:
             saved.append((module, vars(module).get("forward")))
             module.forward = self._intercepting(module, module.forward)  # type: ignore[method-assign]
+        guard = self.runtime.cut.backbone.module(0).register_forward_pre_hook(self._outside_a_pass)
         try:
             yield
         finally:
+            guard.remove()
             for module, own in reversed(saved):
                 if own is None:
                     del module.forward
                 else:
                     module.forward = own  # type: ignore[method-assign]
+
+    def _outside_a_pass(self, block: nn.Module, args: Any) -> None:
+        if not self._in_pass:
+            first = self.runtime.cut.backbone.blocks[0].name
+            raise BackboneCallError(
+                f"A step that generates called the backbone's first block (`{first}`) itself. Under `PipelineStrategy` each decoding step must call the model, the module whose forward"
+                " runs the backbone (`self.model(...)`, `self.model.generate(...)`, `self(...)`): that call runs"
+                " through the pipeline, and its result reaches every rank."
+            )
 
     def _intercepting(self, module: nn.Module, forward: Callable[..., Any]) -> Callable[..., Any]:
         # `wraps` keeps the signature: `generate()` reads it (it passes `position_ids` to a forward that takes them)
