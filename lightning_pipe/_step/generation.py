@@ -135,8 +135,9 @@ class LockStep:
             first = self.runtime.cut.backbone.blocks[0].name
             raise BackboneCallError(
                 f"A step that generates called the backbone's first block (`{first}`) itself. Under"
-                " `PipelineStrategy` each decoding step must call the model, the module whose forward runs the backbone (`self.model(...)`, `self.model.generate(...)`, `self(...)`): that call runs"
-                " through the pipeline, and its result reaches every rank."
+                " `PipelineStrategy` each decoding step must call the model, the module whose forward runs the"
+                " backbone (`self.model(...)`, `self.model.generate(...)`, `self(...)`): that call runs through the"
+                " pipeline, and its result reaches every rank."
             )
 
     def _intercepting(self, module: nn.Module, forward: Callable[..., Any]) -> Callable[..., Any]:
