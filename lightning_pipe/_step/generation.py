@@ -33,7 +33,7 @@ import functools
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -67,7 +67,6 @@ class PassStats:
 
     passes: int = 0
     seconds: float = 0.0  # inside passes: the schedule, the last stage's head and the answer's broadcast
-    rows: list[int] = field(default_factory=list)  # rows per pass
 
 
 class LockStep:
@@ -165,7 +164,6 @@ class LockStep:
         _check_caches(args, kwargs)
         batch_size = program.batch_size_of(call, (args, kwargs))
         num_microbatches = runtime.microbatches.for_batch(batch_size)
-        self.stats.rows.append(batch_size)
         self.caches.begin_pass()
         inputs = _PassInputs(args, kwargs, batch_size, self.caches)
         with program.holding(call, inputs, batch_size):
