@@ -206,8 +206,12 @@ def main() -> None:
               f"{row['tokens_per_second'] / single:>10.2f}{row['bubble']:>9.1%}  {row['same_tokens_as_single']}")
     for row in rows.values():
         row.pop("outputs")
-    summary = {"args": {k: v for k, v in vars(args).items() if k not in ("variant", "out")}, "rows": rows}
-    (HERE / "generation_results.json").write_text(json.dumps(summary, indent=2) + "\n")
+    settings = {k: v for k, v in vars(args).items() if k not in ("variant", "out", "profile")}
+    tag = f"hidden {args.hidden}, batch {args.batch}, {args.new_tokens} new tokens, pp {args.pp}, m {args.microbatches}"
+    path = HERE / "generation_results.json"
+    runs = json.loads(path.read_text()).get("runs", {}) if path.exists() else {}
+    runs[tag] = {"args": settings, "rows": rows}  # one entry per setting: the memory- and compute-bound runs
+    path.write_text(json.dumps({"runs": runs}, indent=2) + "\n")
 
 
 if __name__ == "__main__":
