@@ -2,8 +2,9 @@
 processes (Lightning's launcher starts the other ranks from it).
 
 Usage: ``python tests/generation_job.py SPEC.json OUT_DIR``. The spec holds ``devices`` and ``phases``; a phase has
-``name``, ``model`` (``"lm"`` or ``"nano"``), ``model_kwargs``, ``strategy`` (``PipelineStrategy`` kwargs, or null
-for one device), ``fns`` (``fit``, which validates at the end of its epoch, and ``predict``) and ``expect_error``.
+``name``, ``model`` (``"lm"``, ``"nano"`` or ``"litgpt"``), ``model_kwargs``, ``strategy`` (``PipelineStrategy``
+kwargs, or null for one device), ``fns`` (``fit``, which validates at the end of its epoch, and ``predict``) and
+``expect_error``.
 Each rank writes ``OUT_DIR/<name>.rank<r>.pt``: the tokens every validation step generated, the predictions, the
 training losses, the callback metrics, and what the key-value caches were: which layers each rank's microbatch
 caches held, their longest length, and how many were still alive after the phase. :func:`run_phase` runs one phase
@@ -76,8 +77,8 @@ class CacheWatch:
 def run_phase(phase: dict[str, Any], devices: int) -> dict[str, Any]:
     torch.manual_seed(1234)
     kwargs = phase.get("model_kwargs", {})
-    if phase["model"] == "nano":
-        model: Any = gm.NanoGenerator(**kwargs)
+    if phase["model"] in ("nano", "litgpt"):
+        model: Any = (gm.NanoGenerator if phase["model"] == "nano" else gm.LitGPTGenerator)(**kwargs)
         train, val = zoo.loader("nanogpt", n=16), zoo.loader("nanogpt", n=16, seed=1)
     else:
         model = gm.GenerativeLM(**kwargs)

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 import zoo
 from torch.utils.data import DataLoader
+from torchmetrics import MeanMetric
 from torchmetrics.text import CharErrorRate
 
 EOS = 3  # a token the random models sometimes pick: some rows stop before the others
@@ -86,6 +87,7 @@ class GenerativeLM(zoo.Lit):
         self.model = model
         self.decode = decode
         self.cer = CharErrorRate()
+        self.mean_loss = MeanMetric()  # updated before generating: the first batch must not count it twice
         self.generated: list[torch.Tensor] = []
 
     def loss(self, batch: Any) -> torch.Tensor:
@@ -107,7 +109,10 @@ class GenerativeLM(zoo.Lit):
         return out[:, prompt.shape[1]:]
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
-        self.log("val_loss", self.loss(batch), sync_dist=True)
+        loss = self.loss(batch)
+        self.log("val_loss", loss, sync_dist=True)
+        self.mean_loss.update(loss)
+        self.log("val_mean_loss", self.mean_loss)
         new = self.generate(batch, batch_idx)
         self.generated.append(new.cpu())
         _, _, targets = prompts(batch)
@@ -164,3 +169,147 @@ class NanoGenerator(zoo.Lit):
         out = self.nanogpt_generate(x[:, :4], NEW_TOKENS, temperature=0.8, top_k=10)
         self.generated.append(out[:, 4:].cpu())
         self.log("val_first_token", out[:, 4].float().mean())
+
+
+# ----------------------------------------------------------------------------------------------------- litgpt
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.size(-1) // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class KVCache(torch.nn.Module):
+    """litgpt's ``KVCache``: buffers for the whole batch, written with ``index_copy_`` at ``input_pos``."""
+
+    def __init__(self, shape: tuple[int, ...], device: Any = None, dtype: Any = None) -> None:
+        super().__init__()
+        self.register_buffer("k", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+
+    def forward(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.k = self.k.to(k.dtype)
+        self.v = self.v.to(v.dtype)
+        n = k.size(0)  # as litgpt: the first n rows
+        k = self.k[:n, ...].index_copy_(2, input_pos, k)
+        v = self.v[:n, ...].index_copy_(2, input_pos, v)
+        return k, v
+
+
+class LitAttention(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.proj = torch.nn.Linear(zoo.DIM, 3 * zoo.DIM), torch.nn.Linear(zoo.DIM, zoo.DIM)
+        self.kv_cache: Optional[KVCache] = None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Optional[torch.Tensor] = None,
+                input_pos: Optional[torch.Tensor] = None) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = (z.view(b, t, zoo.HEADS, c // zoo.HEADS).transpose(1, 2) for z in self.qkv(x).split(c, dim=2))
+        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        if input_pos is not None:
+            if not isinstance(self.kv_cache, KVCache):
+                raise TypeError("You need to call `gpt.set_kv_cache()`")
+            k, v = self.kv_cache(input_pos, k, v)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+        return self.proj(y.transpose(1, 2).reshape(b, t, c))
+
+    def build_kv_cache(self, batch_size: int, max_seq_length: int, device: Any = None, dtype: Any = None) -> KVCache:
+        return KVCache((batch_size, zoo.HEADS, max_seq_length, zoo.DIM // zoo.HEADS), device, dtype)
+
+
+class LitBlock(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm_1, self.attn = torch.nn.LayerNorm(zoo.DIM), LitAttention()
+        self.norm_2, self.mlp = torch.nn.LayerNorm(zoo.DIM), zoo.MLP()
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Optional[torch.Tensor] = None,
+                input_pos: Optional[torch.Tensor] = None) -> torch.Tensor:
+        x = x + self.attn(self.norm_1(x), cos, sin, mask, input_pos)
+        return x + self.mlp(self.norm_2(x))
+
+
+class LitGPT(torch.nn.Module):
+    """litgpt's ``GPT``: rotary tables as buffers, a mask cache and per-block key-value caches made by
+    ``set_kv_cache``, ``forward(idx, input_pos)``."""
+
+    max_seq_length = 32
+
+    def __init__(self, layers: int = 4) -> None:
+        super().__init__()
+        self.lm_head = torch.nn.Linear(zoo.DIM, zoo.VOCAB, bias=False)
+        self.transformer = torch.nn.ModuleDict(dict(
+            wte=torch.nn.Embedding(zoo.VOCAB, zoo.DIM), h=torch.nn.ModuleList(LitBlock() for _ in range(layers)),
+            ln_f=torch.nn.LayerNorm(zoo.DIM),
+        ))
+        half = zoo.DIM // zoo.HEADS // 2
+        angles = torch.outer(torch.arange(self.max_seq_length).float(), 10000 ** (-torch.arange(half) / half))
+        self.register_buffer("cos", torch.cat([angles.cos()] * 2, -1), persistent=False)
+        self.register_buffer("sin", torch.cat([angles.sin()] * 2, -1), persistent=False)
+        self.mask_cache: Optional[torch.Tensor] = None
+
+    def forward(self, idx: torch.Tensor, input_pos: Optional[torch.Tensor] = None) -> torch.Tensor:
+        t = idx.size(1)
+        if input_pos is not None:
+            cos, sin = self.cos.index_select(0, input_pos), self.sin.index_select(0, input_pos)
+            if self.mask_cache is None:
+                raise TypeError("You need to call `gpt.set_kv_cache()`")
+            mask = self.mask_cache.index_select(2, input_pos)
+        else:
+            cos, sin, mask = self.cos[:t], self.sin[:t], None
+        x = self.transformer.wte(idx)
+        for block in self.transformer.h:
+            x = block(x, cos, sin, mask, input_pos)
+        return self.lm_head(self.transformer.ln_f(x))
+
+    def set_kv_cache(self, batch_size: int, device: Any = None, dtype: Any = None) -> None:
+        size = self.max_seq_length
+        self.mask_cache = torch.ones(size, size, device=device, dtype=torch.bool).tril()[None, None]
+        for block in self.transformer.h:
+            block.attn.kv_cache = block.attn.build_kv_cache(batch_size, size, device, dtype)
+
+    def clear_kv_cache(self) -> None:
+        self.mask_cache = None
+        for block in self.transformer.h:
+            block.attn.kv_cache = None
+
+
+class LitGPTGenerator(zoo.Lit):
+    """litgpt's model with litgpt's decoding loop: ``set_kv_cache``, prefill at ``input_pos = arange(T)``, then one
+    token at a time at the next position, ``clear_kv_cache``."""
+
+    def __init__(self, sample: bool = False, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.model = LitGPT()
+        self.sample = sample
+        self.generated: list[torch.Tensor] = []
+
+    def loss(self, batch: Any) -> torch.Tensor:
+        x, y, _ = batch
+        return F.cross_entropy(self.model(x).flatten(0, 1), y.flatten())
+
+    @torch.no_grad()
+    def litgpt_generate(self, prompt: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+        self.model.set_kv_cache(prompt.shape[0], device=prompt.device)
+        input_pos = torch.arange(prompt.shape[1], device=prompt.device)
+        x, tokens = prompt, []
+        for _ in range(max_new_tokens):
+            logits = self.model(x, input_pos)[:, -1]
+            if self.sample:
+                probs = torch.softmax(logits / 0.8, dim=-1)
+                nxt = torch.multinomial(probs, num_samples=1)
+            else:
+                nxt = logits.argmax(-1, keepdim=True)
+            tokens.append(nxt)
+            input_pos = input_pos[-1:] + 1
+            x = nxt
+        self.model.clear_kv_cache()
+        return torch.cat(tokens, dim=1)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, _, _ = batch
+        self.log("val_loss", self.loss(batch), sync_dist=True)
+        torch.manual_seed(11 + batch_idx)
+        new = self.litgpt_generate(x[:, :6], NEW_TOKENS)
+        self.generated.append(new.cpu())
+        self.log("val_first_token", new[:, 0].float().mean())

@@ -66,7 +66,29 @@ def metrics_set_aside(metrics: list[tuple[str, Metric]]) -> Iterator[None]:
             _put_back(metric, kept)
 
 
+@contextmanager
+def metrics_undone_on(error: type[BaseException], metrics: list[tuple[str, Metric]]) -> Iterator[None]:
+    """Run the block with the metrics as they are; if it raises ``error``, every metric is as it was before it (an
+    evaluation step that turns out to generate runs again: its updates before that must not count twice)."""
+    saved = [(metric, _copy(metric)) for _, metric in metrics]
+    try:
+        yield
+    except error:
+        for metric, kept in saved:
+            _put_back(metric, kept)
+        raise
+
+
 _Stashed = tuple[dict[str, Any], int, Any, Any, tuple[Any, ...]]
+
+
+def _copy(metric: Metric) -> _Stashed:
+    """The metric's state, copied (updates change tensor states in place)."""
+    state = {
+        attr: getattr(metric, attr).clone() if isinstance(default, torch.Tensor) else list(getattr(metric, attr))
+        for attr, default in metric._defaults.items()
+    }
+    return state, metric._update_count, metric._forward_cache, metric._computed, _sync_flags(metric)
 
 
 def _stash(metric: Metric) -> _Stashed:

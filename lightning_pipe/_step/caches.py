@@ -25,13 +25,14 @@ first pass, naming the fix; a cache the loop filled before the pipeline saw it t
 from __future__ import annotations
 
 import copy
+import weakref
 from typing import Any, Optional
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from lightning_pipe._errors import BackboneCallError
-from lightning_pipe._ghost import Ghost
+from lightning_pipe._ghost import Ghost, ghost_of
 
 #: The layer kinds of Hugging Face's caches that split by rows: keys and values ``[batch, heads, length, dim]`` and
 #: counters that are the same for every row.
@@ -56,8 +57,9 @@ class PassCaches:
         self._users: dict[int, Any] = {}  # id -> the user's cache (kept alive while its microbatch caches are)
         self._patched: list[tuple[Any, str]] = []
 
-    def for_rows(self, cache: Any, start: int, stop: int, probing: bool) -> Any:
-        """The cache the rows ``start:stop`` of a pass see in place of ``cache``."""
+    def for_rows(self, cache: Any, start: int, stop: int, probing: Optional[str]) -> Any:
+        """The cache the rows ``start:stop`` of a pass see in place of ``cache``; a shape probe (``probing``:
+        ``"ghost"`` or ``"real"``, how it runs) gets a copy it may change."""
         subs = self._subs.get(id(cache))
         if subs is None:
             _check_splittable(cache)
@@ -65,6 +67,8 @@ class PassCaches:
             self._users[id(cache)] = cache
             self._patch(cache)
         sub = subs.get((start, stop))
+        if probing == "real":  # a tensor-parallel stage's probe runs its blocks for real
+            return self._throwaway(sub if sub is not None else cache)
         if probing:
             return _ghost_copy(sub if sub is not None else cache)
         if sub is None:
@@ -74,14 +78,18 @@ class PassCaches:
                     f" ({type(cache).__name__} with {cache.get_seq_length()} positions). Under `PipelineStrategy`"
                     " the pipeline fills the cache: start decoding from an empty cache (as `generate()` does)."
                 )
-            sub = subs[(start, stop)] = copy.deepcopy(cache)
-            for _, name in self._patched:
-                vars(sub).pop(name, None)
+            sub = subs[(start, stop)] = self._throwaway(cache)
             if getattr(sub, "layer_class_to_replicate", None) is not None:  # entries made on first use: made now
                 while len(sub.layers) < self.num_layers:
                     sub.layers.append(sub.layer_class_to_replicate())
             self._before[id(sub)] = [_ghost_layer(layer) for layer in sub.layers]
         return _pass_view(sub, self._before[id(sub)])
+
+    def _throwaway(self, cache: Any) -> Any:
+        twin = copy.deepcopy(cache)
+        for _, name in self._patched:
+            vars(twin).pop(name, None)
+        return twin
 
     def begin_pass(self) -> None:
         """What every microbatch cache holds as a pass starts: a stage's code before its own layers reads it, also
@@ -147,6 +155,57 @@ class PassCaches:
             if callable(getattr(cache, name, None)):
                 vars(cache)[name] = _refused(type(cache).__name__, name)
                 self._patched.append((cache, name))
+
+
+class BlockStates:
+    """State a decoding loop put into the blocks after setup, sized by the batch (litgpt's ``set_kv_cache``: a
+    ``kv_cache`` module with ``k`` and ``v`` buffers ``[batch, groups, length, dim]`` in each block's attention, that
+    the attention writes with ``index_copy_`` at ``input_pos``); see [Note: caches per microbatch].
+
+    At each pass (:meth:`begin`): the buffers of this rank's blocks that were not there at setup and have the batch's
+    size in dimension 0 are what a microbatch's rows cut (:meth:`rows`: the rows ``start:stop`` of each, a view, so
+    the attention writes into the whole; restored by :meth:`end`). The same buffers of the blocks other ranks run
+    become ghosts: each stage holds its own layers' state only.
+
+    Args:
+        local: the blocks this rank runs; ``others``: the rest.
+        known: the buffers the model had at setup.
+    """
+
+    def __init__(self, local: list[nn.Module], others: list[nn.Module], known: list[Tensor]) -> None:
+        self.local, self.others = local, others
+        self.known = {id(b): weakref.ref(b) for b in known}  # by id, checked alive: an id may be reused
+        self._cut: list[tuple[dict, str, Tensor]] = []
+
+    def begin(self, batch_size: int) -> None:
+        self._cut = [
+            (table, name, value)
+            for table, name, value in _new_buffers(self.local, self.known)
+            if value.dim() > 0 and value.shape[0] == batch_size
+        ]
+        for table, name, value in _new_buffers(self.others, self.known):
+            table[name] = ghost_of(value)  # another stage's layer: its state is that stage's
+
+    def rows(self, start: int, stop: int) -> None:
+        for table, name, value in self._cut:
+            table[name] = value[start:stop]
+
+    def end(self) -> None:
+        for table, name, value in self._cut:
+            table[name] = value
+
+
+def _new_buffers(blocks: list[nn.Module], known: dict[int, Any]) -> list[tuple[dict, str, Tensor]]:
+    found = []
+    for block in blocks:
+        for module in block.modules():
+            for name, value in module._buffers.items():
+                if not isinstance(value, Tensor) or isinstance(value, Ghost):
+                    continue
+                ref = known.get(id(value))
+                if ref is None or ref() is not value:
+                    found.append((module._buffers, name, value))
+    return found
 
 
 def _pass_view(cache: Any, before: list[Any]) -> Any:

@@ -30,11 +30,12 @@ lock step from the start.
 from __future__ import annotations
 
 import functools
+import inspect
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -45,7 +46,7 @@ from lightning_pipe import _watchdog
 from lightning_pipe._errors import BackboneCallError
 from lightning_pipe._ghost import Ghost, GhostValueError, contains_ghost
 from lightning_pipe._model.calls import slice_batch
-from lightning_pipe._step.caches import PassCaches, is_cache
+from lightning_pipe._step.caches import BlockStates, PassCaches, is_cache
 
 if TYPE_CHECKING:
     from lightning_pipe._step.runtime import PipelineRuntime
@@ -76,6 +77,13 @@ class LockStep:
         self.runtime = runtime
         self.steps: set[str] = set()  # names of the steps known to generate
         self.caches = PassCaches(len(runtime.cut.backbone))
+        backbone = runtime.cut.backbone
+        local = {i for first, stop in runtime.program.stage_bounds.values() for i in range(first, stop)}
+        self.states = BlockStates(
+            [backbone.module(i) for i in sorted(local)],
+            [backbone.module(i) for i in range(len(backbone)) if i not in local],
+            list(runtime.module.buffers()),
+        )
         self.stats = PassStats()
         self._in_pass = False
         module, paths = runtime.module, runtime.cut.backbone.paths
@@ -165,10 +173,14 @@ class LockStep:
         batch_size = program.batch_size_of(call, (args, kwargs))
         num_microbatches = runtime.microbatches.for_batch(batch_size)
         self.caches.begin_pass()
-        inputs = _PassInputs(args, kwargs, batch_size, self.caches)
-        with program.holding(call, inputs, batch_size):
-            sample = program.sub_batch(torch.arange(batch_size // num_microbatches))
-            output = pipeline.eval_step(sample, batch_size, num_microbatches)
+        self.states.begin(batch_size)
+        inputs = _PassInputs(module, args, kwargs, batch_size, self.caches, self.states)
+        try:
+            with program.holding(call, inputs, batch_size):
+                sample = program.sub_batch(torch.arange(batch_size // num_microbatches))
+                output = pipeline.eval_step(sample, batch_size, num_microbatches)
+        finally:
+            self.states.end()
         answer: Any = None
         failed = None
         if pipeline.has_last_stage:
@@ -251,10 +263,13 @@ class _Failed:
 class _PassInputs:
     """A pass's arguments; :meth:`lp_rows` gives a microbatch's (``StepProgram.sub_batch`` calls it)."""
 
-    def __init__(self, args: tuple, kwargs: dict, batch_size: int, caches: PassCaches) -> None:
-        self.args, self.kwargs, self.batch_size, self.caches = args, kwargs, batch_size, caches
+    def __init__(
+        self, module: nn.Module, args: tuple, kwargs: dict, batch_size: int, caches: PassCaches, states: BlockStates
+    ) -> None:
+        self.args, self.kwargs, self.batch_size, self.caches, self.states = args, kwargs, batch_size, caches, states
+        self.names = _positional_names(module, len(args))
 
-    def lp_rows(self, start: int, stop: int, probing: bool) -> tuple[tuple, dict]:
+    def lp_rows(self, start: int, stop: int, probing: Optional[str]) -> tuple[tuple, dict]:
         def cut(value: Any, name: Any = None) -> Any:
             if is_cache(value):
                 return self.caches.for_rows(value, start, stop, probing)
@@ -262,7 +277,25 @@ class _PassInputs:
                 return value
             return slice_batch(value, self.batch_size, start, stop)
 
-        return tuple(cut(a) for a in self.args), {k: cut(v, k) for k, v in self.kwargs.items()}
+        if not probing:  # a probe runs on ghosts (or restores what it touched): the blocks' state stays whole
+            self.states.rows(start, stop)
+        args = tuple(cut(a, name) for a, name in zip(self.args, self.names))
+        return args, {k: cut(v, k) for k, v in self.kwargs.items()}
+
+
+def _positional_names(module: nn.Module, count: int) -> list[Optional[str]]:
+    """The parameter names of ``module``'s forward that its first ``count`` positional arguments bind to (litgpt
+    passes ``input_pos`` positionally)."""
+    try:
+        parameters = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        return [None] * count
+    names: list[Optional[str]] = []
+    for p in parameters:
+        if p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            break
+        names.append(p.name)
+    return (names + [None] * count)[:count]
 
 
 def _call(module: nn.Module, inputs: tuple[tuple, dict]) -> Any:

@@ -94,8 +94,8 @@ class Gradients:
         kept = dict(self._pending or ())
         done = overlap.done if overlap is not None else set()
         todo = [grad for p, grad in kept.items() if p not in done]
-        if scale != 1.0 and todo:
-            torch._foreach_mul_(todo, scale)
+        if scale != 1.0 and todo:  # a tensor-parallel stage's gradients are DTensors and plain tensors: the local parts
+            torch._foreach_mul_([g.to_local() if isinstance(g, DTensor) else g for g in todo], scale)
         span = span or _no_span
         if self.replica_group is not None and todo:
             with span("all-reduce over replicas"):

@@ -86,9 +86,9 @@ class StepProgram(BlockRunners):
         self.batch_size = 0
         self.step_args: tuple = ()
         self.step_kwargs: dict = {}
-        #: the stages run to learn their shapes (``PipelineRuntime._probe``): state the step carries between calls
-        #: (a generation pass's caches) must not change
-        self.probing_shapes = False
+        #: ``"ghost"`` or ``"real"`` while a stage runs to learn its shapes (``PipelineRuntime._probe``), on ghosts
+        #: or for real: state the step carries between calls (a generation pass's caches) must not change
+        self.probing_shapes: Optional[str] = None
 
     # ------------------------------------------------------------------------------------------------ the batch
     @contextmanager
@@ -106,12 +106,12 @@ class StepProgram(BlockRunners):
             self.step_args, self.step_kwargs = (), {}
 
     @contextmanager
-    def shape_probe(self) -> Iterator[None]:
-        self.probing_shapes = True
+    def shape_probe(self, kind: str) -> Iterator[None]:
+        self.probing_shapes = kind
         try:
             yield
         finally:
-            self.probing_shapes = False
+            self.probing_shapes = None
 
     def sub_batch(self, rows: Tensor) -> Any:
         start, stop = int(rows[0]), int(rows[-1]) + 1

@@ -48,7 +48,12 @@ from lightning_pipe._fingerprint import differs, fingerprint
 from lightning_pipe._ghost import Ghost, GhostValueError, contains_ghost
 from lightning_pipe._lightning.callbacks import align_param_groups
 from lightning_pipe._lightning.log import LogChannel, LogRecorder, replay
-from lightning_pipe._lightning.metrics import metrics_set_aside, module_metrics, per_batch_metrics
+from lightning_pipe._lightning.metrics import (
+    metrics_set_aside,
+    metrics_undone_on,
+    module_metrics,
+    per_batch_metrics,
+)
 from lightning_pipe._model.calls import SecondPass, loss_of
 from lightning_pipe._model.cut import Cut
 from lightning_pipe._model.shard import StageSharding
@@ -302,7 +307,7 @@ class PipelineRuntime:
                 recorder = LogRecorder()
                 recorder.start(batch_size)
                 try:
-                    with recorder.installed(module):
+                    with recorder.installed(module), metrics_undone_on(SecondPass, module_metrics(module)):
                         result = program.run_answering(output, step, *args, **kwargs)
                 except SecondPass:
                     payload = (Generates(), [])
@@ -363,17 +368,13 @@ class PipelineRuntime:
         The stage runs on ghosts: no compute, nothing changes (buffers, random state, metrics). A stage that cannot
         (a block with value-dependent shapes) runs once for real on a zero input, without gradients, and everything
         it touched is put back."""
-        with self.program.shape_probe():
-            return self._probe_shapes(stage, rows, received)
-
-    def _probe_shapes(self, stage: int, rows: Tensor, received: Optional[tuple]) -> tuple:
         module, program = self.module, self.program
         ghost_in = tuple(
             Ghost(torch.empty(shape, dtype=dtype, device="meta"), self.device) for shape, dtype in received or ()
         )
         dtypes = self.sharding.compute_dtypes() if self.sharding is not None else None
         if not self.cut.parallelism.tensor_parallel:  # DTensor's hooks and ops cannot run on ghosts: probed for real
-            with torch.no_grad(), everything_ghosted(module, self.device, dtypes), \
+            with torch.no_grad(), everything_ghosted(module, self.device, dtypes), program.shape_probe("ghost"), \
                     metrics_set_aside(module_metrics(module)), fsdp_hooks_suspended(module):
                 try:
                     out = program.run_stage(stage, rows, ghost_in, probing=True)
@@ -381,7 +382,7 @@ class PipelineRuntime:
                 except (GhostValueError, NotImplementedError, RuntimeError) as err:
                     log.debug("stage %d does not run on ghosts (%s): measuring its shapes for real", stage, err)
         real_in = tuple(torch.zeros(shape, dtype=dtype, device=self.device) for shape, dtype in received or ())
-        with torch.no_grad(), untouched(module, self.device):
+        with torch.no_grad(), untouched(module, self.device), program.shape_probe("real"):
             out = program.run_stage(stage, rows, real_in)
             return tuple((tuple(t.shape), t.dtype) for t in out)
 
