@@ -170,6 +170,10 @@ class NanoGenerator(zoo.Lit):
         self.generated.append(out[:, 4:].cpu())
         self.log("val_first_token", out[:, 4].float().mean())
 
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        torch.manual_seed(batch_idx)
+        return self.nanogpt_generate(batch[0][:, :4], NEW_TOKENS, top_k=5)[:, 4:]
+
 
 # ----------------------------------------------------------------------------------------------------- litgpt
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -39,6 +39,7 @@ from lightning_pipe._model.calls import (
     HiddenAt,
     OutputKind,
     Runner,
+    SecondPass,
     Structure,
     call_muted,
     never_called,
@@ -73,7 +74,8 @@ def analyze(
                 try:
                     call_muted(module, step, args, {})
                 except (GhostValueError, RuntimeError, TypeError, ValueError, IndexError) as err:
-                    if not run.after_backbone or isinstance(err, BackboneCallError):
+                    generates = isinstance(err, SecondPass) and not training  # its first pass is what is learned
+                    if not run.after_backbone or (isinstance(err, BackboneCallError) and not generates):
                         raise
                     # After the backbone the analysis is best effort (e.g. a metric that validates its inputs' values).
                     log.debug("analysis stopped after the backbone: %s", err)
