@@ -14,7 +14,8 @@ entry in it. Under the pipeline a pass runs microbatch by microbatch, and each s
   memory;
 - beam search reorders the user's cache between steps: that call reorders the rows over the microbatches' caches
   (:meth:`PassCaches.reorder`);
-- the shape probe of a new microbatch shape runs on ghost copies, so it changes nothing;
+- the shape probe of a new microbatch shape runs on ghost copies (on a real throwaway copy where the stage is
+  probed for real: tensor-parallel stages), so it changes nothing;
 - at the end of the step everything is dropped (:meth:`PassCaches.release`): the memory goes with the step.
 
 What is split is Hugging Face's ``Cache`` with dynamic layers (the default of ``generate()``, sliding windows
