@@ -14,12 +14,10 @@ in the calling process.
 from __future__ import annotations
 
 import gc
-import json
 import os
 import sys
 import traceback
 import weakref
-from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -30,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import generation_models as gm
 import zoo
+import zoo_job
 
 from lightning_pipe import PipelineStrategy
 from lightning_pipe._step import caches as _caches
@@ -129,20 +128,5 @@ def run_phase(phase: dict[str, Any], devices: int) -> dict[str, Any]:
     return result
 
 
-def main(spec_file: str, out_dir: str) -> None:
-    spec = json.loads(Path(spec_file).read_text())
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    for phase in spec["phases"]:
-        try:
-            result = run_phase(phase, spec["devices"])
-        except BaseException:
-            started = torch.distributed.is_initialized()
-            rank = torch.distributed.get_rank() if started else int(os.environ.get("LOCAL_RANK", 0))
-            torch.save({"error": traceback.format_exc(), "rank": rank}, out / f"{phase['name']}.rank{rank}.pt")
-            raise
-        torch.save(result, out / f"{phase['name']}.rank{result['rank']}.pt")
-
-
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    zoo_job.main(sys.argv[1], sys.argv[2], run=run_phase)

@@ -25,7 +25,7 @@ import os
 import sys
 import traceback
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import lightning as L
 import torch
@@ -131,13 +131,14 @@ def run_phase(phase: dict[str, Any], devices: int) -> dict[str, Any]:
     return result
 
 
-def main(spec_file: str, out_dir: str) -> None:
+def main(spec_file: str, out_dir: str, run: Callable[[dict[str, Any], int], dict[str, Any]] = run_phase) -> None:
+    """Run every phase of the spec with ``run`` (``run_phase``, or another job's), each rank saving its results."""
     spec = json.loads(Path(spec_file).read_text())
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for phase in spec["phases"]:
         try:
-            result = run_phase(phase, spec["devices"])
+            result = run(phase, spec["devices"])
         except BaseException:
             started = torch.distributed.is_initialized()
             rank = torch.distributed.get_rank() if started else int(os.environ.get("LOCAL_RANK", 0))
