@@ -7,6 +7,9 @@
   ``predict_step`` returns the generated tokens.
 - :class:`NanoGenerator`: nanoGPT's ``GPT.generate`` sampling loop (crop to the block size, temperature, top-k,
   ``multinomial`` or ``argmax`` on the last position) on the zoo's nanoGPT.
+- :class:`LitGPTGenerator`: litgpt's model structure and decoding loop (``set_kv_cache``: a ``KVCache`` of the whole
+  batch in each block's attention, written at ``input_pos``; prefill, then one token at a time). litgpt itself pins
+  ``huggingface-hub<1.4``, which would hold ``transformers`` back, so its parts are copied here.
 
 Both keep what they generated (``self.generated``) for the tests to compare with one device.
 """
@@ -123,14 +126,29 @@ class GenerativeLM(zoo.Lit):
         return self.generate(batch, batch_idx)
 
 
+def _failing_after(count: int) -> Any:
+    calls = [0]
+
+    def hook(module: Any, args: Any) -> None:
+        if not torch.is_grad_enabled():
+            calls[0] += 1
+            if calls[0] > count:
+                raise ValueError(f"the head refuses its call {calls[0]}")
+
+    return hook
+
+
 class NanoGenerator(zoo.Lit):
     """The zoo's nanoGPT with nanoGPT's own ``generate`` loop."""
 
-    def __init__(self, sample: bool = False, inline: bool = False, **kwargs: Any) -> None:
+    def __init__(self, sample: bool = False, inline: bool = False, fail_after: Optional[int] = None,
+                 **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.model = zoo.NanoGPT(4)
         self.sample = sample
         self.inline = inline  # the loop runs the model's parts itself instead of calling it: refused
+        if fail_after is not None:  # the head (on the last stage only) raises in the decoding step after that many
+            self.model.lm_head.register_forward_pre_hook(_failing_after(fail_after))
         self.generated: list[torch.Tensor] = []
 
     def loss(self, batch: Any) -> torch.Tensor:

@@ -53,6 +53,7 @@ CASES = [
 ERRORS = [
     case("static_cache", "lm", PP2, model_kwargs={"family": "llama", "decode": "static"}, expect_error=True),
     case("inline_loop", "nano", PP4, model_kwargs={"inline": True}, expect_error=True),
+    case("head_fails", "nano", PP4, model_kwargs={"fail_after": 5}, expect_error=True),
 ]
 
 
@@ -238,3 +239,12 @@ def test_block_states_are_cut_by_rows_and_other_stages_freed() -> None:
     states.end()
     assert mine.attn.kv_cache.k is whole
     assert whole[2:, :, 3].eq(1).all() and whole[:2].eq(0).all()
+
+
+@pytest.mark.dist
+def test_a_failure_on_the_last_stage_ends_every_rank_naming_it(launched: Path) -> None:
+    errors = [torch.load(launched / f"head_fails.rank{r}.pt", weights_only=False)["error"] for r in range(4)]
+    assert all(e is not None and "the head refuses" in e for e in errors), errors
+    assert sum(e.startswith("ValueError") for e in errors) == 1  # the last stage raises its own error
+    assert sum(e.startswith("lightning_pipe.BackboneCallError: The last pipeline stage failed") for e in errors) == 3
+

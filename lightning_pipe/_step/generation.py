@@ -206,13 +206,13 @@ class LockStep:
         if runtime.pipeline.has_last_stage:
             header[0], tensors = _describe(answer, input_leaves)
         if runtime.layout.pipeline_size == 1:
-            return _rebuild(*header[0], tensors, input_leaves)
+            return None if isinstance(answer, _Failed) else _rebuild(*header[0], tensors, input_leaves)
         what = f"the model's output from the last stage (pipeline rank {src}), in a decoding step"
         with _watchdog.waiting(lambda: what):
             dist.broadcast_object_list(header, group_src=src, group=group)
             spec, kinds = header[0]
-            if isinstance(spec, _Failed):
-                return _rebuild(spec, kinds, [], input_leaves)  # raises
+            if isinstance(spec, _Failed):  # the last stage raises its own error, the others this one
+                return None if runtime.pipeline.has_last_stage else _rebuild(spec, kinds, [], input_leaves)
             received = []
             for kind in kinds:
                 if kind[0] != "tensor":
