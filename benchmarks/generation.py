@@ -150,7 +150,7 @@ def run_variant(args: argparse.Namespace) -> None:
     }
     if pipelined:
         stats = trainer.strategy.runtime.pipeline.shape_stats
-        result.update(passes=trainer.strategy.runtime.lock_step.stats.passes, schedules_built=stats.built)
+        result.update(passes=trainer.strategy.runtime.lock_step.passes, schedules_built=stats.built)
     Path(f"{args.out}.rank{trainer.global_rank}.json").write_text(json.dumps(result))
 
 

@@ -107,10 +107,9 @@ class PassCaches:
                 continue
             for sub in subs.values():
                 _mirror_layers(sub.layers, sub.layers, rows=None)
-            ordered = [subs[rows] for rows in sorted(subs)]
             total = sum(stop - start for start, stop in subs)
             user = self._users[key]
-            first = ordered[0].layers
+            first = subs[min(subs)].layers
             while len(user.layers) < len(first):
                 user.layers.append(copy.copy(first[len(user.layers)]))
             _mirror_layers(user.layers, first, rows=total, everything=True)
@@ -287,8 +286,7 @@ def _mirror_layers(target: list, source: list, rows: Optional[int], everything: 
 def _ghost_copy(cache: Any) -> Any:
     """A copy of ``cache`` whose layers hold ghosts: what a shape probe may change."""
     twin = copy.copy(cache)
-    twin.layers = [_ghost_layer(layer) if _holds(layer) or isinstance(getattr(layer, "keys", None), Ghost)
-                   else copy.copy(layer) for layer in cache.layers]
+    twin.layers = [_ghost_layer(layer) for layer in cache.layers]
     vars(twin).pop("reorder_cache", None)
     return twin
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -62,33 +61,24 @@ class Generates:
     """What the last stage answers for a batch whose step turned out to generate (:class:`SecondPass`)."""
 
 
-@dataclass
-class PassStats:
-    """What the passes of the lock-step steps cost on this rank (the generation benchmark reads it)."""
-
-    passes: int = 0
-    seconds: float = 0.0  # inside passes: the schedule, the last stage's head and the answer's broadcast
-
-
 class LockStep:
     """The lock-step evaluation steps of one runtime (see [Note: lock step])."""
 
     def __init__(self, runtime: PipelineRuntime) -> None:
         self.runtime = runtime
         self.steps: set[str] = set()  # names of the steps known to generate
-        self.caches = PassCaches(len(runtime.cut.backbone))
         backbone = runtime.cut.backbone
+        self.caches = PassCaches(len(backbone))
         local = {i for first, stop in runtime.program.stage_bounds.values() for i in range(first, stop)}
         self.states = BlockStates(
             [backbone.module(i) for i in sorted(local)],
             [backbone.module(i) for i in range(len(backbone)) if i not in local],
             list(runtime.module.buffers()),
         )
-        self.stats = PassStats()
+        self.passes = 0  # model calls run through the pipeline on this rank (the generation benchmark reads it)
         self._in_pass = False
-        module, paths = runtime.module, runtime.cut.backbone.paths
-        prefixes = {".".join(p.split(".")[:i]) for p in paths for i in range(len(p.split(".")))}
-        self._path_modules = [module.get_submodule(p) for p in sorted(prefixes, key=len)]
+        prefixes = {".".join(p.split(".")[:i]) for p in backbone.paths for i in range(len(p.split(".")))}
+        self._path_modules = [runtime.module.get_submodule(p) for p in sorted(prefixes, key=len)]
 
     def generates(self, step: Callable[..., Any]) -> bool:
         return _name(step) in self.steps
@@ -154,13 +144,11 @@ class LockStep:
             if self._in_pass or self.runtime.program.current is not None:
                 return forward(*args, **kwargs)  # inside a pass: the stage's own run
             self._in_pass = True
-            start = time.perf_counter()
+            self.passes += 1
             try:
                 return self._pass(module, args, kwargs)
             finally:
                 self._in_pass = False
-                self.stats.passes += 1
-                self.stats.seconds += time.perf_counter() - start
 
         return intercepted
 

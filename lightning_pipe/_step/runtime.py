@@ -293,8 +293,7 @@ class PipelineRuntime:
         batch, *rest = args
         self._check_same_data("evaluation", batch, rest, kwargs)
         if self.lock_step.generates(step):  # [Note: lock step]
-            with self._unsharded():
-                return self.lock_step.run(step, *args, **kwargs)
+            return self._generate(step, *args, **kwargs)
         batch_size = program.batch_size_of(step, *args, **kwargs)
         num_microbatches = self.microbatches.for_batch(batch_size)
         payload = None
@@ -320,10 +319,13 @@ class PipelineRuntime:
         if isinstance(result, Generates):  # run it again, in lock step
             set_random_state(random_state, self.device)
             self.lock_step.learn(step)
-            with self._unsharded():
-                return self.lock_step.run(step, *args, **kwargs)
+            return self._generate(step, *args, **kwargs)
         replay(module, entries, self.device, self.dp_group)
         return apply_to_collection(result, Tensor, lambda t: t.to(self.device))
+
+    def _generate(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        with self._unsharded():
+            return self.lock_step.run(step, *args, **kwargs)
 
     # ------------------------------------------------------------------------------------------------ helpers
     def _overlap(
