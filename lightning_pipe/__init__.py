@@ -14,6 +14,8 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_pipe._errors import BackboneCallError
 from lightning_pipe._model.materialize import materialize
+from lightning_pipe._model.whole import SplitModuleError
+from lightning_pipe.callbacks import HuggingFaceCheckpoint
 from lightning_pipe.checkpoint import load_from_checkpoint, stored_balance
 from lightning_pipe.partition import StageLayout
 from lightning_pipe.schedules import SCHEDULE_NAMES
@@ -21,14 +23,16 @@ from lightning_pipe.strategy import PipelineStrategy
 
 __all__ = [
     "BackboneCallError",
+    "HuggingFaceCheckpoint",
     "PipelineStrategy",
     "SCHEDULE_NAMES",
+    "SplitModuleError",
     "StageLayout",
     "load_from_checkpoint",
     "materialize",
     "stored_balance",
 ]
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 # Lightning has no hook for strategies from other packages: register on import (a no-op the second time).
 PipelineStrategy.register_strategies(StrategyRegistry)

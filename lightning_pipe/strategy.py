@@ -11,6 +11,7 @@ import logging
 from collections.abc import Generator
 from contextlib import ExitStack, contextmanager, nullcontext
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import lightning.pytorch as pl
@@ -46,9 +47,10 @@ from lightning_pipe._lightning.processes import end_launched_processes, launched
 from lightning_pipe._model.configure_model import ConfigureModelCalls, recording
 from lightning_pipe._model.cut import drop_ghosts
 from lightning_pipe._model.tensor_parallel import TensorParallelPlan
+from lightning_pipe._model.whole import SplitGuard, after_call
 from lightning_pipe._setup import SetupArgs, build_pipeline
 from lightning_pipe._step.runtime import PipelineRuntime
-from lightning_pipe.checkpoint import _dcp, _files
+from lightning_pipe.checkpoint import _dcp, _files, _hf
 from lightning_pipe.checkpoint._names import all_gather
 from lightning_pipe.partition import StageLayout
 from lightning_pipe.schedules import register_schedules
@@ -126,6 +128,12 @@ class PipelineStrategy(WatchedCollectives, ParallelStrategy):
         timeline: trace one training step: ``True`` (``global_step`` 1), a step, a directory, or a dict or
             :class:`~lightning_pipe.timeline.TimelineOptions`. Rank 0 writes ``timeline.json`` (Perfetto) and
             ``timeline.png`` and logs the measured bubble. See ``docs/performance.md``.
+        keep_split: after each ``Trainer`` call, leave every rank with its stages only. ``False`` (default): the
+            module is gathered whole on every rank, in host memory, as under DDP (``lit.model.save_pretrained`` on
+            global zero writes the whole model), when the whole model times the processes on the host fits the host's
+            available memory; past that bound it stays split with a warning. A split module's ``state_dict()`` (and
+            so ``save_pretrained``) raises, naming :meth:`save_pretrained`, the parallel save. See
+            ``docs/checkpointing.md``.
     """
 
     strategy_name = "pipeline"
@@ -156,6 +164,7 @@ class PipelineStrategy(WatchedCollectives, ParallelStrategy):
         tensor_parallel_size: int = 1,
         tensor_parallel_plan: TensorParallelPlan = None,
         max_memory: Union[None, int, str] = None,
+        keep_split: bool = False,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -164,6 +173,10 @@ class PipelineStrategy(WatchedCollectives, ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
+        if not isinstance(keep_split, bool):
+            raise TypeError(f"`PipelineStrategy(keep_split={keep_split!r})` must be `True` or `False`.")
+        self._keep_split = keep_split
+        self._split_guard: Optional[SplitGuard] = None  # a module left split after a call: its reads raise
         self._options = validated_options(
             pipeline_parallel_size, data_parallel_size, num_microbatches, schedule, stages_per_rank, backbone, balance,
             activation_checkpointing, timeline, stall_timeout, check_data_every_n_batches, data_parallel,
@@ -329,6 +342,9 @@ class PipelineStrategy(WatchedCollectives, ParallelStrategy):
         optimizers over this rank's parameters."""
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
+        if self._split_guard is not None:  # left split by the last call: this one cuts it as it is
+            self._split_guard.release()
+            self._split_guard = None
         args = SetupArgs(
             self._options, self.dims, self._configured, self.precision_plugin, self.root_device, self.batch_to_device,
             self._tie_groups, self._timeout, self._layer_sync is not None, owner=self,
@@ -485,6 +501,7 @@ class PipelineStrategy(WatchedCollectives, ParallelStrategy):
             self._runtime.gradients.discard()
             if not self._failed:
                 self._runtime.drain()
+            self._leave_module(self._runtime.cut)
         self._failed = False
         _watchdog.stop()
         if self._hooks_context is not None:
@@ -493,6 +510,57 @@ class PipelineStrategy(WatchedCollectives, ParallelStrategy):
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
+
+    def _leave_module(self, cut: Any) -> None:
+        """Whole on every rank after the call, or split behind a guard ([Note: the whole module after a Trainer
+        call])."""
+        module = self.lightning_module
+        if module is None or not cut.split:
+            return
+        if self._failed:  # the other ranks may be gone: no collective
+            self._split_guard = SplitGuard(module)
+            return
+        self._split_guard = after_call(
+            module, cut, keep_split=self._keep_split, local_processes=self.num_processes,
+            pipeline_group=self.dims.pipeline_group, device=self.root_device,
+        )
+
+    def save_pretrained(
+        self,
+        dirpath: Union[str, Path],
+        *,
+        max_shard_size: Union[int, str] = "5GB",
+        safe_serialization: bool = True,
+        attribute: Optional[str] = None,
+    ) -> Path:
+        """Write the Hugging Face model inside the LightningModule as a directory ``from_pretrained`` loads, every
+        rank writing its own stages (and only its shard of a sharded or tensor-parallel stage) through DCP's
+        ``HuggingFaceStorageWriter``: no process holds the whole model ([Note: the parallel Hugging Face save]). A
+        peft model writes its adapter only. Call it on every rank, during a Trainer call (a callback:
+        :class:`~lightning_pipe.HuggingFaceCheckpoint`) or after one.
+
+        Args:
+            dirpath: the directory to write.
+            max_shard_size: the largest safetensors file, as ``PreTrainedModel.save_pretrained`` takes it.
+            safe_serialization: safetensors only; ``False`` is refused (a pickle would run code when loaded).
+            attribute: the LightningModule's attribute that is the Hugging Face model; found when ``None``.
+        """
+        if not safe_serialization:
+            raise ValueError("`PipelineStrategy.save_pretrained` writes safetensors only: drop `safe_serialization`.")
+        cut = self.runtime.cut
+        guard = self._split_guard
+        with guard.reading_local_stage() if guard is not None else nullcontext():
+            return _hf.save_pretrained(
+                self.lightning_module, self.broadcast(str(dirpath)), stored=cut.names.stored, attribute=attribute,
+                max_shard_size=max_shard_size, whole_sizes=cut.whole_shapes(),
+            )
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """This rank's stage, also for ``trainer.save_checkpoint`` after a call that left the module split."""
+        guard = self._split_guard
+        with guard.reading_local_stage() if guard is not None else nullcontext():
+            return super().lightning_module_state_dict()
 
     @classmethod
     @override

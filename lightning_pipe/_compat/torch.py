@@ -501,3 +501,46 @@ def _merge_groups(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
         into["params"] |= set(group["params"])
         into["intermediates"] |= set(group["intermediates"])
     return list(merged.values())
+
+
+# [Note: undoing a stage's parallelization]
+# After a Trainer call the module becomes whole again (`_model/whole.py`): every module `parallelize_stage` touched
+# must be a plain module once more, or a forward on one rank would all-gather (FSDP's hooks) or redistribute
+# (tensor-parallel hooks) alone and hang. torch has no public inverse of `fully_shard` or `parallelize_module`:
+# `fully_shard` swaps the class for `FSDP<Class>`, adds forward and state-dict hooks, stores its state in the
+# module's `__dict__` (`contract`'s registry) and in `torch.distributed._composable_state._module_state_mapping`;
+# `parallelize_module` adds forward hooks. So the setup takes a snapshot of every module's class, hook tables and
+# `__dict__` keys before it parallelizes, and `restore_modules` puts them back (parameters are set afterwards by the
+# caller). Checked against torch 2.13, 2.14 and 2.15.
+_HOOK_TABLES = (
+    "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called", "_backward_pre_hooks", "_backward_hooks", "_state_dict_pre_hooks",
+    "_state_dict_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks",
+)
+
+
+class ModuleSnapshot:
+    """Each module's class, hook tables and ``__dict__`` keys as they were (:func:`restore_modules`)."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.entries = [
+            (m, type(m), {t: dict(getattr(m, t)) for t in _HOOK_TABLES if hasattr(m, t)}, set(m.__dict__))
+            for m in module.modules()
+        ]
+
+
+def restore_modules(snapshot: ModuleSnapshot) -> None:
+    """Give every module of ``snapshot`` its class, hook tables and ``__dict__`` keys back, and forget FSDP's state
+    for it, so that ``fully_shard`` may be applied to it again ([Note: undoing a stage's parallelization])."""
+    from torch.distributed import _composable_state
+
+    for m, cls, tables, keys in snapshot.entries:
+        _composable_state._module_state_mapping.pop(m, None)
+        if type(m) is not cls:
+            m.__class__ = cls
+        for name, before in tables.items():
+            table = getattr(m, name)
+            table.clear()
+            table.update(before)
+        for key in [k for k in m.__dict__ if k not in keys and k.startswith("__")]:  # `contract`'s state, registry
+            del m.__dict__[key]

@@ -90,6 +90,8 @@ class Cut:
         #: timed (``choice_decided``), which checkpoints store; ``None`` otherwise
         self.choice: Any = None
         self.choice_decided = False
+        #: whether the module is cut now (:meth:`keep_only`), or whole again after a Trainer call (:meth:`unsplit`)
+        self.split = False
         _refuse_shared_storage(module)
         self._place(module)
         self.flow = make_flow(structure, layout, [b.name for b in backbone.blocks])
@@ -241,7 +243,47 @@ class Cut:
                 reg.tensor = stand_ins[reg.key]
         held_ids = {id(reg.tensor) for reg in held}
         self.names = replace(self.names, first_name={i: n for i, n in self.names.first_name.items() if i in held_ids})
+        self.split = True
         log.debug("pipeline rank %d keeps %d of %d tensors", rank, len(held), len(self.registrations))
+
+    def whole_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """``{state-dict key: (shape, dtype)}`` of the whole model, in the single-device order (the same on every
+        rank: a tensor this rank does not hold is read from its ghost, a sharded one by its global shape)."""
+        found: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+        for reg in self.registrations:
+            if not reg.persistent:
+                continue
+            value = reg.owner.__dict__.get(reg.name, reg.table.get(reg.name))
+            for path in reg.paths:
+                found[path] = (tuple(value.shape), value.dtype)
+        return {k: found[k] for k in self.names.state_keys if k in found}
+
+    def unsplit(self, module: nn.Module, values: dict[str, Tensor]) -> None:
+        """Register every tensor again with its whole value (``{key: value}``, a parameter this rank held kept as the
+        object it is), so the module is the whole model once more ([Note: the whole module after a Trainer call]);
+        :meth:`keep_only` cuts it again for the same layout."""
+        params: dict[str, nn.Parameter] = {}
+        renamed: dict[int, nn.Parameter] = {}
+        for reg in self.registrations:
+            value = values[reg.key]
+            if reg.kind == "parameter":
+                if reg.key not in params:
+                    params[reg.key] = value if isinstance(value, nn.Parameter) else nn.Parameter(
+                        value, requires_grad=reg.requires_grad
+                    )
+                value = params[reg.key]
+                renamed[id(reg.tensor)] = value  # type: ignore[assignment]
+            reg.owner.__dict__.pop(reg.name, None)  # the ghost
+            reg.table[reg.name] = value
+            if reg.kind == "buffer" and not reg.persistent:
+                reg.owner._non_persistent_buffers_set.add(reg.name)
+            reg.tensor = value
+        reads = self.structure.region_params
+        for old in [i for i in reads if i in renamed]:
+            reads[id(renamed[old])] = reads.pop(old)
+        self.names = ModelNames.of(module)
+        self.parallelism = None
+        self.split = False
 
     @contextmanager
     def registered_everywhere(self, rank: int) -> Iterator[None]:

@@ -30,6 +30,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
+from lightning_pipe._compat.torch import ModuleSnapshot
 from lightning_pipe._ghost import Ghost
 from lightning_pipe._lightning.parallel_dims import ParallelDims
 from lightning_pipe._model.configure_model import ConfigureModelCalls, sharding_of
@@ -47,11 +48,14 @@ class StageParallelism:
         owner: the strategy whose mesh the stage's DTensors and FSDP units use.
         tensor_parallel: whether modules are split over the tensor ranks.
         sharding: the FSDP units (``StageSharding``) of a sharded stage; ``None`` when replicated.
+        snapshot: the modules as they were before (``_compat.torch.ModuleSnapshot``), so that the module can be made
+            whole after the call ([Note: undoing a stage's parallelization]).
     """
 
     owner: Any
     tensor_parallel: bool = False
     sharding: Any = None
+    snapshot: Any = None
 
 
 @dataclass(frozen=True)
@@ -104,6 +108,7 @@ def parallelize_stage(
                 " a new LightningModule (or load one from a checkpoint)."
             )
         return done
+    snapshot = ModuleSnapshot(module)
     backbone = cut.backbone
     named = [(backbone.blocks[i].name, backbone.module(i)) for i in range(len(backbone))]
     split = choose_plan(args.tensor_parallel_plan, configured.styles, dims.tensor, module, named)
@@ -122,7 +127,7 @@ def parallelize_stage(
         sharding = None
     else:
         sharding = shard_stage(module, cut, rank, sharded.mesh, sharded.options, device, prepare, blocks, outside)
-    record = StageParallelism(owner=owner, tensor_parallel=split is not None, sharding=sharding)
+    record = StageParallelism(owner=owner, tensor_parallel=split is not None, sharding=sharding, snapshot=snapshot)
     cut.parallelism = record
     return record
 

@@ -88,6 +88,8 @@ def split_module(
     pp, rank, style = pipeline_parallel_size, pipeline_rank, schedule.placement
     previous = _cuts.get(module)
     if previous is not None and choose is not None and previous.choice is not None:
+        if not previous.split:
+            previous.keep_only(rank, device)
         return previous  # `schedule="auto"` keeps what it chose for the module
     if previous is not None:
         layout = previous.layout
@@ -96,6 +98,8 @@ def split_module(
                 f"The module was already split for another pipeline ({layout.describe()}). Create a new"
                 " LightningModule (or load it from a checkpoint) to run it with a different pipeline layout."
             )
+        if not previous.split:  # whole again after the last call: cut it for the same layout
+            previous.keep_only(rank, device)
         log.debug("pipeline rank %d: reusing the split module: %s", rank, layout.describe())
         return previous
     step, args = sample()
