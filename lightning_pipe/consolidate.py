@@ -4,7 +4,12 @@ lightning_pipe checkpoint directory.
 Usage::
 
     python -m lightning_pipe.consolidate CKPT_DIR OUT.ckpt [--weights-only] [--overwrite] [--trusted]
+    python -m lightning_pipe.consolidate CKPT_DIR OUT_DIR --format hf [--max-shard-size 5GB]
     lightning-pipe-consolidate CKPT_DIR OUT.ckpt
+
+With ``--format hf`` it writes the Hugging Face model inside the LightningModule as a directory ``from_pretrained``
+loads (safetensors files, ``model.safetensors.index.json``, ``config.json``), holding one output file's tensors at a
+time.
 
 It runs in one process, needs no GPU and no process group, and reads the shards of every rank. The file it
 writes is what single-device training would have saved: ``Model.load_from_checkpoint(OUT.ckpt)`` loads it without
@@ -26,6 +31,7 @@ import torch
 
 from lightning_pipe.checkpoint import consolidate, consolidated_checkpoint
 from lightning_pipe.checkpoint._consolidate import write_file
+from lightning_pipe.checkpoint._hf import convert_checkpoint
 from lightning_pipe.checkpoint._safe import DamagedCheckpointError, UnsafeCheckpointError
 
 __all__ = ["consolidate", "consolidated_checkpoint", "main"]
@@ -65,6 +71,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     )
     parser.add_argument("--overwrite", action="store_true", help="replace OUT.ckpt if it exists")
     parser.add_argument(
+        "--format", choices=("lightning", "hf"), default="lightning",
+        help="lightning: one Lightning checkpoint file (default); hf: a Hugging Face directory (OUT is a directory)",
+    )
+    parser.add_argument("--max-shard-size", default="5GB", help="with --format hf: the largest safetensors file")
+    parser.add_argument(
         "--trusted",
         action="store_true",
         help="the checkpoint comes from a source you trust: unpickle its files without restrictions (like"
@@ -75,6 +86,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     out = Path(args.output)
     if out.exists() and not args.overwrite:
         parser.error(f"`{out}` exists; pass --overwrite to replace it.")
+    if args.format == "hf":
+        try:
+            written = convert_checkpoint(
+                args.checkpoint_dir, out, max_shard_size=args.max_shard_size, trusted=args.trusted
+            )
+        except (FileNotFoundError, ValueError) as err:
+            parser.error(str(err))
+        except (UnsafeCheckpointError, DamagedCheckpointError) as err:
+            parser.exit(1, f"{parser.prog}: error: {err}\n")
+        print(f"Wrote the Hugging Face directory {written}.")
+        return 0
     try:
         checkpoint = consolidated_checkpoint(args.checkpoint_dir, weights_only=args.weights_only, trusted=args.trusted)
     except FileNotFoundError as err:

@@ -457,6 +457,7 @@ class PipelineStrategy(WatchedCollectives, ParallelStrategy):
         local_states = _callbacks.local_states(checkpoint)
         _callbacks.merge_finetuning_metadata(checkpoint, all_gather)
         stored_layout = _files.layout_record(cut.layout, self.data_parallel_size, cut.backbone.paths, cut.stored_choice)
+        stored_layout["huggingface"] = _hf.config_record(self.lightning_module)  # for `consolidate --format hf`
         _dcp.save(
             checkpoint, self.broadcast(filepath), module=self.lightning_module, optimizers=self.optimizers,
             names=cut.names, layout=stored_layout, is_global_zero=self.is_global_zero,

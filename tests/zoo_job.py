@@ -46,6 +46,10 @@ class Recorder(L.Callback):
         self.steps: list[dict[str, float]] = []
         self.initial: Optional[dict[str, torch.Tensor]] = None
         self.val: list[float] = []
+        self.local_numel: Optional[int] = None  # what this rank holds while training (after a call: the whole model)
+
+    def on_train_end(self, trainer, pl_module):
+        self.local_numel = local_numel(pl_module)
 
     def on_train_start(self, trainer, pl_module):
         if self.initial is None:
@@ -61,6 +65,10 @@ class Recorder(L.Callback):
     def on_validation_end(self, trainer, pl_module):
         if not trainer.sanity_checking and "val_loss" in trainer.callback_metrics:
             self.val.append(float(trainer.callback_metrics["val_loss"]))
+
+
+def local_numel(model: torch.nn.Module) -> int:
+    return sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters())
 
 
 def run_phase(phase: dict[str, Any], devices: int) -> dict[str, Any]:
@@ -120,7 +128,7 @@ def run_phase(phase: dict[str, Any], devices: int) -> dict[str, Any]:
         val=recorder.val,
         initial=recorder.initial,
         state_dict=plain(state),
-        local_numel=sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters()),
+        local_numel=recorder.local_numel if recorder.local_numel is not None else local_numel(model),
         tied=tied,
         input_lengths=sorted({n for m in model.modules() for n in getattr(m, "input_lengths", ())}),
         callback_metrics={k: float(v) for k, v in trainer.callback_metrics.items()},

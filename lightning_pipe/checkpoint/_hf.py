@@ -28,6 +28,10 @@ from torch.distributed.checkpoint import HuggingFaceStorageWriter
 from torch.distributed.checkpoint._consolidate_hf_safetensors import consolidate_safetensors_files_on_every_rank
 from torch.distributed.tensor import DTensor
 
+from lightning_pipe._compat.torch import read_dcp_in_one_process
+from lightning_pipe.checkpoint._files import INFO_KEY, is_pipeline_checkpoint, read_meta, resolve
+from lightning_pipe.checkpoint._safe import SafeFileSystemReader, load_dcp_metadata
+
 INDEX_FILE = "model.safetensors.index.json"
 _SHARDED = ".sharded"
 
@@ -173,3 +177,84 @@ def _numel(shape: tuple[int, ...]) -> int:
 def _barrier(group: Optional[dist.ProcessGroup]) -> None:
     if dist.is_initialized():
         dist.barrier(group=group)
+
+
+# ------------------------------------------------------------------------------------------- training checkpoints
+def config_record(module: nn.Module) -> Optional[dict[str, Any]]:
+    """What a training checkpoint stores to be converted to a Hugging Face directory later: the attribute that holds
+    the model, its class and its configs as JSON text; ``None`` when the module holds no (single) Hugging Face model."""
+    try:
+        name, model = pretrained_attribute(module)
+    except ValueError:
+        return None
+    if _is_peft(model):
+        return None  # an adapter is saved with `save_pretrained` during the run
+    generation = getattr(model, "generation_config", None)
+    can_generate = generation is not None and getattr(model, "can_generate", lambda: False)()
+    return {
+        "attribute": name,
+        "class": type(model).__name__,
+        "config": model.config.to_json_string(),
+        "generation_config": generation.to_json_string() if can_generate else None,
+    }
+
+
+def convert_checkpoint(
+    checkpoint_dir: Union[str, os.PathLike], out_dir: Union[str, os.PathLike], *,
+    max_shard_size: Union[int, str] = "5GB", trusted: bool = False,
+) -> Path:
+    """Write a training checkpoint directory as a Hugging Face directory, in one process, holding at most one output
+    file's tensors at a time (``python -m lightning_pipe.consolidate CKPT_DIR OUT_DIR --format hf``)."""
+    from safetensors.torch import save_file  # installed with transformers, not a dependency of this package
+
+    path = resolve(Path(checkpoint_dir))
+    if not is_pipeline_checkpoint(path):
+        raise FileNotFoundError(f"`{path}` is not a complete lightning_pipe checkpoint directory.")
+    weights_only = False if trusted else None
+    info = read_meta(path, weights_only).get(INFO_KEY) or {}
+    record = (info.get("pipeline_layout") or {}).get("huggingface")
+    if not isinstance(record, dict) or not isinstance(record.get("config"), str):
+        raise ValueError(
+            f"`{path}` holds no Hugging Face model's config (it was saved from a module without one attribute that is"
+            " a `PreTrainedModel`, or by an older lightning_pipe). Save the model with"
+            " `PipelineStrategy.save_pretrained`."
+        )
+    metadata = load_dcp_metadata(path / ".metadata", weights_only)
+    prefix = f"state_dict.{record['attribute']}."
+    sizes: dict[str, int] = {}
+    for fqn, meta in metadata.state_dict_metadata.items():
+        if fqn.startswith(prefix) and hasattr(meta, "size"):
+            sizes[fqn[len(prefix):]] = _numel(tuple(meta.size)) * meta.properties.dtype.itemsize
+    order = [k[len(prefix) - len("state_dict."):] for k in info.get("state_dict_keys", [])]
+    order = [k for k in order if k in sizes] + [k for k in sizes if k not in set(order)]
+    mapping = file_index({k: sizes[k] for k in order}, parse_size(max_shard_size))
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    count = max(mapping.values(), default=0)
+    weight_map: dict[str, str] = {}
+    reader = SafeFileSystemReader(path, weights_only)
+    for index in range(1, count + 1):
+        keys = {f"{prefix}{k}" for k, i in mapping.items() if i == index}
+        stored = read_dcp_in_one_process(path, keys=keys, storage_reader=reader)
+        tensors = {k: v.contiguous() for k, v in _flatten(stored).items()}
+        tensors = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+        filename = f"model-{index:05d}-of-{count:05d}.safetensors"
+        save_file(tensors, str(out / filename), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, filename))
+        del stored, tensors
+    total = sum(sizes.values())
+    (out / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    (out / "config.json").write_text(record["config"])
+    if isinstance(record.get("generation_config"), str):
+        (out / "generation_config.json").write_text(record["generation_config"])
+    return out
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Tensor]:
+    flat: dict[str, Tensor] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        elif isinstance(value, Tensor):
+            flat[f"{prefix}{key}"] = value
+    return flat
