@@ -92,6 +92,7 @@ class Cut:
         self.choice_decided = False
         #: whether the module is cut now (:meth:`keep_only`), or whole again after a Trainer call (:meth:`unsplit`)
         self.split = False
+        self._trained_names: dict[int, str] = {}
         _refuse_shared_storage(module)
         self._place(module)
         self.flow = make_flow(structure, layout, [b.name for b in backbone.blocks])
@@ -281,7 +282,12 @@ class Cut:
         reads = self.structure.region_params
         for old in [i for i in reads if i in renamed]:
             reads[id(renamed[old])] = reads.pop(old)
+        # The optimizers of every call so far keep their parameters' names: `trainer.save_checkpoint` after the call
+        # (or after a later `validate`) names their state by them.
+        self._trained_names.update(self.names.first_name)
         self.names = ModelNames.of(module)
+        for pid, name in self._trained_names.items():
+            self.names.first_name.setdefault(pid, name)
         self.parallelism = None
         self.split = False
 
