@@ -14,6 +14,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_pipe._errors import BackboneCallError
 from lightning_pipe._model.materialize import materialize
+from lightning_pipe._model.pretrained import read_pretrained
 from lightning_pipe._model.whole import SplitModuleError
 from lightning_pipe.callbacks import HuggingFaceCheckpoint
 from lightning_pipe.checkpoint import load_from_checkpoint, stored_balance
@@ -30,6 +31,7 @@ __all__ = [
     "StageLayout",
     "load_from_checkpoint",
     "materialize",
+    "read_pretrained",
     "stored_balance",
 ]
 __version__ = "0.2.0"

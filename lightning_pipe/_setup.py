@@ -5,7 +5,8 @@ Every rank runs these steps in this order, since several of them talk to the oth
 1. refuse what the pipeline cannot run, with a message that names the fix;
 2. cut the module into stages (``_model/split.py``; timed first for ``balance="time"``);
 3. materialise this rank's share, split it over the tensor ranks and shard it over the replicas
-   (``_model/parallelize.py``, [Note: stage parallelism]);
+   (``_model/parallelize.py``, [Note: stage parallelism]); read its pretrained weights where ``read_pretrained`` asked
+   ([Note: pretrained weights per stage]);
 4. tell the callbacks, the model summary and the data loaders about the cut;
 5. convert the module and its ghosts to the precision plugin's dtypes, on the device;
 6. connect the copies of each tied parameter over the ranks that hold them (``_model/cut.py``: ``connect_ties``);
@@ -39,6 +40,7 @@ from lightning_pipe._model.activation_checkpointing import checkpointed_blocks
 from lightning_pipe._model.configure_model import ConfigureModelCalls
 from lightning_pipe._model.cut import Cut, connect_ties
 from lightning_pipe._model.parallelize import ParallelismArgs, data_parallel_mode, parallelize_stage
+from lightning_pipe._model.pretrained import read_marked
 from lightning_pipe._model.profile import first_batch, measure_backbone
 from lightning_pipe._model.shard import refuse_unshardable, refuse_user_sharding
 from lightning_pipe._model.split import previous_cut, refuse_unsupported, split_module
@@ -99,6 +101,7 @@ def build_pipeline(module: pl.LightningModule, trainer: pl.Trainer, args: SetupA
             options.num_microbatches, options.schedule, dims.pipeline, options.stages_per_rank
         )
     sharding = _parallelize(module, cut, args).sharding
+    read_marked(module, cut.names.stored, cut.whole_shapes())  # [Note: pretrained weights per stage]
     own_sampling = _adapt_to_cut(module, trainer, cut, args)
     args.precision_plugin.convert_module(module)
     cut.convert_ghosts(dims.pipeline_rank, args.precision_plugin.convert_module)

@@ -18,7 +18,7 @@ import torch
 import zoo
 import zoo_job
 
-from lightning_pipe import HuggingFaceCheckpoint, PipelineStrategy, SplitModuleError
+from lightning_pipe import HuggingFaceCheckpoint, PipelineStrategy, SplitModuleError, read_pretrained
 
 
 def lora(model: L.LightningModule) -> L.LightningModule:
@@ -30,17 +30,24 @@ def lora(model: L.LightningModule) -> L.LightningModule:
 
 def run_phase(phase: dict[str, Any], devices: int) -> dict[str, Any]:
     out = Path(phase["out"])
-    model = zoo.make(phase["model"])
+    if phase.get("pretrained"):  # built on the meta device, each rank reading its stages from the directory
+        with torch.device("meta"):
+            model = zoo.make(phase["model"])
+        read_pretrained(model.model, phase["pretrained"])
+    else:
+        model = zoo.make(phase["model"])
     if phase.get("lora"):
         torch.manual_seed(7)
         model = lora(model)
     pipelined = phase.get("strategy") is not None
     strategy = PipelineStrategy(**phase["strategy"]) if pipelined else "auto"
+    wanted = phase.get("callback") and pipelined
+    saving = [HuggingFaceCheckpoint(out / "callback", every_n_train_steps=2)] if wanted else []
     trainer = L.Trainer(
         accelerator="cpu", devices=devices, strategy=strategy, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, use_distributed_sampler=False,
         max_epochs=1, gradient_clip_val=0.5,
-        callbacks=[HuggingFaceCheckpoint(out / "callback", every_n_train_steps=2)] if phase.get("callback") and pipelined else [],
+        callbacks=saving,
     )
     trainer.fit(model, zoo.loader(phase["model"], n=32, batch_size=8))
     result: dict[str, Any] = {"rank": trainer.global_rank, "refused": None}

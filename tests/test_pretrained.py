@@ -6,7 +6,8 @@ LoRA around the Llama, each against one process; then checks what a user's scrip
 gives one process's logits; the parallel save (``PipelineStrategy.save_pretrained`` and ``HuggingFaceCheckpoint``)
 and a training checkpoint converted with ``consolidate --format hf`` load with ``from_pretrained`` with nothing missing
 or unexpected and equal one process's weights. With ``keep_split=True`` the module stays split and ``save_pretrained``
-fails on every rank, naming the parallel save, and writes nothing.
+fails on every rank, naming the parallel save, and writes nothing. A Llama built on the meta device reads each rank's
+stages from a Hugging Face directory (``read_pretrained``) and trains as one process from the same weights.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ PHASES = [
     {"name": "gpt2", "model": "hf_gpt2", "strategy": {**STRATEGY, "schedule": "Interleaved1F1B"}},
     {"name": "lora", "model": "hf_llama", "strategy": STRATEGY, "lora": True},
     {"name": "split", "model": "hf_llama", "strategy": {**STRATEGY, "keep_split": True}, "keep_split": True},
+    {"name": "meta", "model": "hf_llama", "strategy": {**STRATEGY, "schedule": "GPipe"}},  # + "pretrained": dir
 ]
 
 
@@ -43,7 +45,9 @@ def work(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def launched(work) -> dict[str, list[dict[str, Any]]]:
+    zoo.make("hf_llama").model.save_pretrained(work / "initial")  # what the meta phase reads: the llama's start
     phases = [{**p, "out": str(work / p["name"])} for p in PHASES]
+    phases[-1]["pretrained"] = str(work / "initial")
     spec = work / "spec.json"
     spec.write_text(json.dumps({"devices": 2, "phases": phases}))
     proc = run_script([str(HERE / "pretrained_job.py"), str(spec), str(work / "out")], cwd=work, timeout=600)
@@ -114,3 +118,21 @@ def test_a_module_kept_split_refuses_a_partial_save_on_every_rank(launched):
     for rank in launched["split"]:
         assert rank["refused"] is not None and "save_pretrained" in rank["refused"], rank["refused"]
         assert not [f for f in rank["written"] if f.endswith(".safetensors")], rank["written"]  # no partial model
+
+
+def test_a_model_built_on_the_meta_device_reads_its_stages_from_a_hugging_face_directory(launched, work):
+    want = reference(work, "llama")  # trained from the weights the directory holds
+    assert_close(launched["meta"][0]["state_dict"], want["state_dict"])
+
+
+def test_reading_pretrained_weights_checks_the_directory_against_the_model(work, tmp_path):
+    from lightning_pipe import read_pretrained
+
+    lit = zoo.make("hf_llama", seed=5)
+    read_pretrained(lit.model, work / "initial")  # a real model reads at once
+    assert_close(dict(lit.model.state_dict()), loaded(work / "initial"))
+    zoo.make("hf_gpt2").model.save_pretrained(tmp_path / "gpt2")
+    with pytest.raises(ValueError, match="do not match the model: missing"):
+        read_pretrained(zoo.make("hf_llama").model, tmp_path / "gpt2")
+    with pytest.raises(FileNotFoundError, match="no `.safetensors`"):
+        read_pretrained(zoo.make("hf_llama").model, tmp_path)

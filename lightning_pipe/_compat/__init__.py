@@ -55,6 +55,12 @@ Lightning (checked against 2.6.6):
 
 torch (checked against 2.13.0, 2.14.1 and 2.15.0; ``pyproject.toml`` pins ``<2.16``):
 
+- ``torch.distributed._composable_state._module_state_mapping`` (where ``fully_shard`` keeps each module's state),
+  ``contract``'s ``__composable_api_*`` keys and ``distribute_module``'s ``_distribute_module_applied`` mark in a
+  module's ``__dict__``, and ``nn.Module``'s hook tables: torch has no inverse of ``fully_shard`` or
+  ``parallelize_module``, and the module is made whole after each Trainer call (:func:`.torch.restore_modules`,
+  [Note: undoing a stage's parallelization]).
+
 - ``torch.distributed.ProcessGroupGloo._Options`` and the backend options' ``_timeout``: the only way to give the
   device mesh's sub-groups the strategy's ``timeout`` (``init_device_mesh`` otherwise creates them with 30 minutes;
   :func:`.torch.mesh_group_options`).
@@ -144,6 +150,8 @@ from __future__ import annotations
 #: versions: the first test to run when a new Lightning or torch comes out. Names looked up only where they exist
 #: (``schedules._add_wait_send``, from torch 2.15) are not listed.
 PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
+    # torch: undoing a stage's parallelization after a Trainer call ([Note: undoing a stage's parallelization])
+    ("torch.distributed._composable_state", "_module_state_mapping"),
     # Lightning: processes, the launcher, the strategy's protected members
     ("lightning.fabric.utilities.distributed", "_init_dist_connection"),
     ("lightning.fabric.utilities.distributed", "_destroy_dist_connection"),

@@ -519,6 +519,11 @@ _HOOK_TABLES = (
 )
 
 
+#: What ``distribute_module`` (under ``parallelize_module``) marks a module with; ``contract``'s state and registry
+#: keys (``fully_shard``) start with ``__``.
+_PARALLEL_MARKS = ("_distribute_module_applied",)
+
+
 class ModuleSnapshot:
     """Each module's class, hook tables and ``__dict__`` keys as they were (:func:`restore_modules`)."""
 
@@ -542,5 +547,5 @@ def restore_modules(snapshot: ModuleSnapshot) -> None:
             table = getattr(m, name)
             table.clear()
             table.update(before)
-        for key in [k for k in m.__dict__ if k not in keys and k.startswith("__")]:  # `contract`'s state, registry
+        for key in [k for k in m.__dict__ if k not in keys and (k.startswith("__") or k in _PARALLEL_MARKS)]:
             del m.__dict__[key]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Union
+from typing import Any, Optional, Union
 
 import torch
 from torch import nn
@@ -50,10 +50,12 @@ class Materializer:
         self.seed = global_seed()
         self.missing: set[str] = set()
         self.initialised: set[int] = set()
+        self.hf_init = hugging_face_inits(module)
 
     def block(self, index: int) -> None:
         _init_seeded(
-            self.backbone.module(index), self.device, self.seed + index, self.missing, self.initialised
+            self.backbone.module(index), self.device, self.seed + index, self.missing, self.initialised,
+            hf_init=self.hf_init,
         )
 
     def rest(self) -> None:
@@ -65,7 +67,7 @@ class Materializer:
             ]
             for k, sub in enumerate(owners):
                 _init_seeded(sub, self.device, self.seed + len(backbone) + k, self.missing, self.initialised,
-                             recurse=False)
+                             recurse=False, hf_init=self.hf_init)
         if self.missing:
             raise TypeError(
                 f"The model was built on the meta device, but {sorted(self.missing)} define no `reset_parameters()`,"
@@ -75,17 +77,19 @@ class Materializer:
 
 
 def _init_seeded(
-    sub: nn.Module, device: torch.device, seed: int, missing: set[str], initialised: set[int], recurse: bool = True
+    sub: nn.Module, device: torch.device, seed: int, missing: set[str], initialised: set[int], recurse: bool = True,
+    hf_init: Optional[dict[int, Any]] = None,
 ) -> None:
     """Initialise ``sub``'s meta tensors under ``seed``; tensors already initialised (shared) keep their values."""
     if not _has_meta(sub, recurse):
         return
     tensors = list(itertools.chain(sub.parameters(recurse=recurse), sub.buffers(recurse=recurse)))
     kept = [(t, t.detach().clone()) for t in tensors if id(t) in initialised]
+    hf_init = hf_init or {}
     with _seeded(device, seed):
         _to_empty(sub, device, recurse)
         for m in sub.modules() if recurse else [sub]:
-            _reset(m, missing)
+            _reset(m, missing, hf_init)
     with torch.no_grad():
         for tensor, value in kept:
             tensor.copy_(value)
@@ -103,14 +107,28 @@ def _to_empty(module: nn.Module, device: torch.device, recurse: bool = True) -> 
             torch.utils.swap_tensors(tensor, real)
 
 
-def _reset(m: nn.Module, missing: set[str]) -> None:
+def _reset(m: nn.Module, missing: set[str], hf_init: dict[int, Any]) -> None:
     if not any(True for _ in itertools.chain(m.parameters(recurse=False), m.buffers(recurse=False))):
         return
     reset = getattr(m, "reset_parameters", None)
     if callable(reset):
         reset()
+    elif id(m) in hf_init:  # a Hugging Face model's module (its rotary tables): the model's own initialisation
+        hf_init[id(m)](m)
     else:
         missing.add(type(m).__name__)
+
+
+def hugging_face_inits(module: nn.Module) -> dict[int, Any]:
+    """``{id(submodule): init}``: the ``_init_weights`` of the innermost Hugging Face ``PreTrainedModel`` holding each
+    module, which initialises what ``reset_parameters`` does not cover (a rotary embedding's ``inv_freq``)."""
+    inits: dict[int, Any] = {}
+    for model in module.modules():
+        init = getattr(model, "_init_weights", None)
+        if callable(init) and hasattr(model, "config"):
+            for sub in model.modules():
+                inits[id(sub)] = init
+    return inits
 
 
 @contextmanager
