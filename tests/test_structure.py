@@ -184,6 +184,65 @@ class TwoStacks(Net):
         self.decoder = nn.ModuleList([zoo.NanoBlock() for _ in range(4)])
 
 
+class ProbeBlock(nn.Module):
+    """A block with a module inside whose output the block does not return (a router's logits)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = zoo.NanoBlock()
+        self.probe = nn.Linear(zoo.DIM, 3)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        self.seen = self.probe(h)  # kept on the module (read back only by `Stashes`)
+        return self.inner(h)
+
+
+class Hooked(Net):
+    """What a forward hook on a module inside each block records is read after the backbone (as Hugging Face's
+    output capturing hands a mixture-of-experts model's router logits to its load-balancing loss)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([ProbeBlock() for _ in range(4)])
+        self.recorded: list[torch.Tensor] = []
+        for block in self.blocks:
+            block.probe.register_forward_hook(lambda module, args, out: self.recorded.append(out))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.recorded.clear()
+        h = self.head(self.trunk(self.embed(x)))
+        return h + sum(r.mean() * (i + 1) for i, r in enumerate(self.recorded))
+
+
+class Stashes(Net):
+    """The same value read back from where the block kept it: no stage but the block's can put it back there."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([ProbeBlock() for _ in range(4)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.trunk(self.embed(x))) + sum(b.seen.mean() for b in self.blocks)
+
+
+class NoneFirstBlock(zoo.NanoBlock):
+    def forward(self, h: torch.Tensor) -> tuple[None, torch.Tensor]:  # type: ignore[override]
+        return None, super().forward(h)
+
+
+class ReturnsNone(Net):
+    """Blocks return ``(None, hidden)``, as SD3's last joint block does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([NoneFirstBlock() for _ in range(4)])
+
+    def trunk(self, h):
+        for block in self.blocks:
+            _, h = block(h)
+        return h
+
+
 @pytest.mark.parametrize(
     ("model", "strategy", "error", "match"),
     [
@@ -195,6 +254,8 @@ class TwoStacks(Net):
         (ReturnsDict, {}, BackboneCallError, r"Block `blocks.0` returns a dict.*tensor, or a tuple or list"),
         (WithCache, {}, BackboneCallError, r"Cache that already holds keys and values.*use_cache=False"),
         (SharedMemory, {}, ValueError, r"`embed.weight` and `head.weight` are different parameters over the same"),
+        (Stashes, {}, BackboneCallError, r"output of `blocks.0.probe`, a module inside block `blocks.0`, is used after"
+         r" that block.*Return it from the block"),
         (TwoStacks, {}, ValueError, r"cannot choose: 2 containers.*'blocks' \(4 x NanoBlock\), 'decoder'"),
         (Net, {"backbone": ["blocks", "blocks"]}, ValueError, r"`blocks` is inside `blocks` \(or the same"),
     ],
@@ -230,8 +291,10 @@ RESNET = ["model.layer1", "model.layer2", "model.layer3", "model.layer4"]
         (Between, "tokens", {}),  # code between two blocks changes the hidden state
         (SkipsOver, "tokens", {}),  # the embedding's output is used after the backbone
         (Pooled, "resnet", {"backbone": RESNET}),  # code between two containers
+        (Hooked, "tokens", {}),  # a forward hook inside every block records a value read after the backbone
+        (ReturnsNone, "tokens", {}),  # blocks return `(None, hidden)`
     ],
-    ids=["keeps_all", "between_blocks", "skips_over", "between_containers"],
+    ids=["keeps_all", "between_blocks", "skips_over", "between_containers", "hooked_inside", "returns_none"],
 )
 def test_values_that_cross_stages_train_like_one_device(model, data, strategy, schedule):
     """Two stages on one process (the boundary is torch's own hand-over): each block output or side value a later
@@ -308,6 +371,18 @@ def test_what_each_boundary_carries_flux_and_t5():
     assert placed["model.encoder.final_layer_norm.weight"] == {2}  # code between the stacks: the decoder's stage
     ties = {name: ranks for name, ranks, _ in t5.ties()}
     assert ties == {"model.shared.weight": frozenset({0, 2, 3})}  # encoder and decoder embedding, tied head
+
+
+def test_what_each_boundary_carries_moe_router_logits_and_sd3():
+    """[Note: values from inside blocks]: each Mixtral block's router logits (recorded by transformers' hook on the
+    router) travel with the hidden state to the last stage, where the load-balancing loss reads them all; SD3's last
+    joint block returns ``(None, hidden_states)``."""
+    moe = _cut("mixtral_aux", "auto", 2)
+    gates = [("inner", f"model.model.layers.{i}.mlp.gate", 0, 0) for i in range(4)]
+    assert moe.flow.sends[0] == (gates[0], gates[1], ("block", 1, 0, 0))
+    assert set(moe.flow.answers) == {*gates, ("block", 3, 0, 0)}
+    sd3 = _cut("sd3", "auto", 3)
+    assert sd3.flow.answers[-1] == ("block", 2, 0, 1)  # the image stream, after the `None`
 
 
 class Shift(nn.Module):

@@ -13,6 +13,8 @@
 - ``rope``: a GPT whose blocks take rotary ``cos``/``sin`` tables (buffers of the root module) and an attention mask
   built from the batch, litgpt-style.
 - ``albert``: one block reused for every layer of the backbone (its parameters are shared by every stage).
+- ``mixtral_aux``, ``qwen2_moe_aux``, ``qwen3_moe_aux``: Hugging Face mixture-of-experts LMs with the
+  load-balancing loss (router logits recorded by hooks inside every block); ``sd3``: diffusers' SD3 transformer.
 """
 
 from __future__ import annotations
@@ -104,7 +106,7 @@ def loader(
         return DataLoader(finetuning(n, seed, kind), batch_size=batch_size, collate_fn=collate)
     if name == "flux":
         return DataLoader(latents(n, seed), batch_size=batch_size)
-    if name == "pixart":  # 4 channels of 8 x 8
+    if name in ("pixart", "sd3"):  # 4 channels of 8 x 8
         return DataLoader(latents(n, seed, tokens=64, channels=4), batch_size=batch_size)
     data = images(n, seed) if name in ("vit", "resnet") else tokens(n, seed, pad=name == "rope")
     return DataLoader(data, batch_size=batch_size)
@@ -180,6 +182,44 @@ class HFFineTuned(HFCausalLM):
 
     def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         return self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.argmax(-1)
+
+
+class HFMoE(Lit):
+    """A ``transformers`` mixture-of-experts causal LM (Mixtral, Qwen2-MoE, Qwen3-MoE) with the load-balancing loss
+    (``output_router_logits=True``, a nonzero ``router_aux_loss_coef``): the router logits every block's gate
+    returns are collected by ``transformers``' output-capturing hooks and read by the code after the backbone.
+
+    The load-balancing loss is a statistic of the rows it sees, as BatchNorm's is: under the pipeline it is computed
+    per microbatch (as under DDP or gradient accumulation). ``group`` rows per loss call (the microbatch's rows) make
+    one device compute the same: the step's loss is the mean over groups."""
+
+    def __init__(self, family: str = "mixtral", layers: int = 4, group: Optional[int] = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        import transformers
+
+        common = dict(
+            vocab_size=VOCAB, hidden_size=DIM, intermediate_size=2 * DIM, num_hidden_layers=layers,
+            num_attention_heads=HEADS, num_key_value_heads=2, max_position_embeddings=64, num_experts_per_tok=2,
+            output_router_logits=True, router_aux_loss_coef=0.5,
+        )
+        if family == "mixtral":
+            config = transformers.MixtralConfig(num_local_experts=4, **common)
+            self.model = transformers.MixtralForCausalLM(config)
+        elif family == "qwen2_moe":
+            config = transformers.Qwen2MoeConfig(
+                num_experts=4, moe_intermediate_size=DIM, shared_expert_intermediate_size=DIM, **common
+            )
+            self.model = transformers.Qwen2MoeForCausalLM(config)
+        else:
+            config = transformers.Qwen3MoeConfig(num_experts=4, moe_intermediate_size=DIM, head_dim=8, **common)
+            self.model = transformers.Qwen3MoeForCausalLM(config)
+        self.group = group
+
+    def loss(self, batch: Any) -> torch.Tensor:
+        x = batch[0]
+        group = self.group or len(x)
+        return torch.stack([self.model(input_ids=x[i : i + group], labels=x[i : i + group]).loss
+                            for i in range(0, len(x), group)]).mean()
 
 
 class DemoLM(Lit):
@@ -269,6 +309,36 @@ class Flux(Lit):
 
     def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         return self.predict(batch)[0]
+
+
+class SD3(Lit):
+    """diffusers' SD3 transformer as shipped (tiny config, random weights), trained by flow matching: joint blocks
+    carry the text and image streams; the last block is ``context_pre_only`` and returns ``(None, hidden_states)``;
+    every block and the final norm take ``temb``."""
+
+    def __init__(self, layers: int = 3, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        from diffusers import SD3Transformer2DModel
+
+        self.model = SD3Transformer2DModel(
+            sample_size=8, patch_size=2, in_channels=4, num_layers=layers, attention_head_dim=8,
+            num_attention_heads=2, joint_attention_dim=16, caption_projection_dim=16, pooled_projection_dim=8,
+            out_channels=4, pos_embed_max_size=8,
+        )
+
+    def predict(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        x0, text, pooled, t, noise = batch
+        image, noise = x0.reshape(-1, 4, 8, 8), noise.reshape(-1, 4, 8, 8)
+        noisy = (1 - t[:, None, None, None]) * image + t[:, None, None, None] * noise
+        out = self.model(
+            hidden_states=noisy, encoder_hidden_states=text, pooled_projections=pooled, timestep=t * 1000,
+            return_dict=False,
+        )[0]
+        return out, noise - image
+
+    def loss(self, batch: Any) -> torch.Tensor:
+        out, target = self.predict(batch)
+        return F.mse_loss(out, target)
 
 
 class PixArt(Lit):
@@ -879,6 +949,10 @@ ZOO = {
     "resnet": LitResNet,
     "rope": RopeGPT,
     "albert": Albert,
+    "mixtral_aux": lambda **kw: HFMoE("mixtral", **kw),
+    "qwen2_moe_aux": lambda **kw: HFMoE("qwen2_moe", **kw),
+    "qwen3_moe_aux": lambda **kw: HFMoE("qwen3_moe", **kw),
+    "sd3": SD3,
 }
 
 

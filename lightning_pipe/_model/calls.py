@@ -8,7 +8,8 @@ the call does. The setup's analysis and the ``balance="time"`` profile are modes
 :meth:`BlockRunners.batch_size_of`, serves both: the first block's hidden state gives the batch size.
 
 A block's hidden state is its first positional argument (or the keyword argument that carries the previous block's
-output) and its output is that tensor, or a tuple/list whose first element is.
+output) and its output is that tensor, or a tuple/list whose first tensor is (other elements may be ``None``: SD3's
+last joint block returns ``(None, hidden_states)``).
 """
 
 from __future__ import annotations
@@ -31,12 +32,14 @@ from lightning_pipe._ghost import Ghost, ghost_of
 from lightning_pipe._lightning.log import LogRecorder
 from lightning_pipe._model.backbone import Backbone
 from lightning_pipe._model.flow import Producer, Unsendable
+from lightning_pipe._model.inner import InnerCall, inner_returned, replay
 
 #: ``("arg", position)`` or ``("kwarg", name)``: where a block call carries the hidden state.
 HiddenAt = tuple[str, Any]
 
-#: What a block returns besides its hidden state: ``None`` for a tensor, else ``(tuple or list, metas of the rest)``.
-OutputKind = Optional[tuple[type, tuple[Optional[Tensor], ...]]]
+#: What a block returns: ``None`` for a tensor, else ``(tuple or list, index of the hidden state, metas of the
+#: elements)`` (``None`` for the hidden state and for what is not a tensor).
+OutputKind = Optional[tuple[type, int, tuple[Optional[Tensor], ...]]]
 
 
 @dataclass(frozen=True)
@@ -65,9 +68,13 @@ class Structure:
     unsendable: list[Unsendable] = field(default_factory=list)
     region_params: dict[int, set[int]] = field(default_factory=dict)  # parameter id -> regions that read it
     region_modules: dict[int, set[int]] = field(default_factory=dict)  # module id -> regions that call it
+    #: per block: the calls inside it of modules with forward hooks, replayed where it is skipped ([Note: values from
+    #: inside blocks] in :mod:`lightning_pipe._model.inner`); empty unless a value leaves a block that way
+    inner_calls: dict[int, list[InnerCall]] = field(default_factory=dict)
 
-    def producer_modules(self) -> set[str]:
-        return {key for kind, key, _, _ in self.values if kind == "module"}
+    def producer_modules(self, kind: str = "module") -> set[str]:
+        """The paths of the modules whose outputs cross a boundary: outside the blocks, or ``"inner"``: inside."""
+        return {key for what, key, _, _ in self.values if what == kind}
 
 
 class Stop(BaseException):
@@ -118,6 +125,7 @@ class BlockCalls:
         self.after_backbone = False
         self.in_block = False
         self.module_calls: dict[str, int] = {}  # producer module -> its calls outside the blocks so far
+        self.inner_calls: dict[str, int] = {}  # producer module inside a block -> its calls so far
         self.restore_prefix: Optional[Callable[[], None]] = None  # undoes the ghosting of tensors read early
 
     def call_block(self, index: int, block: nn.Module, args: tuple, kwargs: dict) -> Any:
@@ -162,6 +170,17 @@ class BlockCalls:
 
     def on_module_output(self, path: str, call: int, output: Any) -> Any:
         return None
+
+    def inner_output(self, path: str, output: Any) -> None:
+        """A producer module inside a block returned ``output`` (the block runs here): count the call."""
+        call = self.inner_calls.get(path, 0)
+        self.inner_calls[path] = call + 1
+        for i, leaf in enumerate(tree_leaves(output)):
+            if isinstance(leaf, Tensor):
+                self.on_inner_value(("inner", path, call, i), leaf)
+
+    def on_inner_value(self, producer: Producer, value: Tensor) -> None:
+        """``value`` is ``producer``'s, computed by a block that runs here or received for a skipped one."""
 
 
 class BlockRunners:
@@ -208,6 +227,9 @@ class BlockRunners:
         self._hooks = [
             module.get_submodule(path).register_forward_hook(functools.partial(_module_returned, me, path))
             for path in sorted(structure.producer_modules())
+        ] + [
+            module.get_submodule(path).register_forward_hook(functools.partial(inner_returned, me, path))
+            for path in sorted(structure.producer_modules("inner"))
         ]
 
     def batch_size_of(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> int:
@@ -228,16 +250,26 @@ class BlockRunners:
 
     def hidden_of(self, index: int, out: Any) -> Any:
         """The hidden state in what block ``index`` returned."""
-        return out if self.structure.outputs[index] is None else out[0]
+        kind = self.structure.outputs[index]
+        return out if kind is None else out[kind[1]]
 
     def output_like(self, index: int, hidden: Any) -> Any:
         """What block ``index`` returns, with ``hidden`` as its hidden state and ghosts for the rest."""
         extra = self.structure.outputs[index]
         if extra is None:
             return hidden
-        kind, metas = extra
-        rest = [None if m is None else ghost_of(m, self.device) for m in metas]
-        return kind([hidden, *rest])
+        kind, at, metas = extra
+        elements = [None if m is None else ghost_of(m, self.device) for m in metas]
+        elements[at] = hidden
+        return kind(elements)
+
+    def replay_inner(self, index: int, args: tuple, kwargs: dict, given: dict, found: Callable) -> None:
+        """Replay the hooked module calls inside block ``index``, which this run skips, with the ``given`` values
+        ([Note: values from inside blocks])."""
+        calls, io = self.structure.inner_calls.get(index), self.structure.block_io[index]
+        if calls:
+            shapes = [tuple(t.shape) for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
+            replay(self.module, calls, given, io and size_map_of_shapes(io.arg_shapes, shapes), self.device, found)
 
     def skipped_output(self, index: int, args: tuple, kwargs: dict, hidden: Any, given: dict[Producer, Any]) -> Any:
         """What block ``index``, which this run skips, returns: the values ``given`` for its producers (received

@@ -13,7 +13,10 @@ run of the step:
   block returns, or either stream of a Flux double-stream block);
 - ``("module", path, k, i)``: tensor ``i`` of the output of the ``k``-th call of the module at ``path`` outside the
   blocks (the time embedding of a diffusion transformer, an encoder's final norm or dropout, a decoder's
-  embedding).
+  embedding);
+- ``("inner", path, k, i)``: tensor ``i`` of the output of the ``k``-th call of the module at ``path`` inside a
+  block, which a forward hook hands out (a mixture-of-experts router's logits, which the load-balancing loss reads
+  after the backbone: [Note: values from inside blocks] in :mod:`lightning_pipe._model.inner`).
 
 A value computed by plain tensor code from such values (a reshape, a ``.to(dtype)``, a mask built from an
 embedding) is computed again on the stage that uses it, from its producers. A boundary carries every producer
@@ -139,4 +142,4 @@ def _name(producer: Producer, block_names: list[str]) -> str:
     kind, key, call, leaf = producer
     if kind == "block":
         return f"`{block_names[key]}` output {leaf}"
-    return f"`{key}` call {call} output {leaf}"
+    return f"`{key}` call {call} output {leaf}" + (" (inside its block)" if kind == "inner" else "")

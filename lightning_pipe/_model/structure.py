@@ -9,7 +9,9 @@ ghost (:mod:`lightning_pipe._ghost`): no compute, no memory, the same answer on 
 - how each block is called: where its hidden state is (and whether it is what the block before returned), and what
   it returns;
 - every value computed from parameters, from the block or module output that produces it to every use: what each
-  stage boundary carries ([Note: stage boundaries] in :mod:`lightning_pipe._model.flow`);
+  stage boundary carries ([Note: stage boundaries] in :mod:`lightning_pipe._model.flow`), outputs of modules inside a
+  block that its forward hooks hand out included ([Note: values from inside blocks] in
+  :mod:`lightning_pipe._model.inner`);
 - that the step can be cut: the blocks run once each, in order; a cache of keys and values from earlier calls is
   refused.
 
@@ -28,6 +30,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_leaves
 
 from lightning_pipe import _ghost
+from lightning_pipe._compat.transformers import install_output_capturing
 from lightning_pipe._errors import BackboneCallError
 from lightning_pipe._ghost import Ghost, GhostValueError, ghost_of
 from lightning_pipe._lightning.metrics import metrics_set_aside, module_metrics
@@ -46,6 +49,7 @@ from lightning_pipe._model.calls import (
     replace_hidden,
 )
 from lightning_pipe._model.flow import Producer, Unsendable, block_position, region_position
+from lightning_pipe._model.inner import record_call
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +62,8 @@ def analyze(
     training: bool,
 ) -> Structure:
     """Run ``step(*args)`` once on ghosts, in training or evaluation mode, and learn its :class:`Structure`."""
+    # before the blocks are swapped out ([Note: values from inside blocks])
+    uninstall = install_output_capturing(module)
     params = {id(p): p for _, p in module.named_parameters(remove_duplicate=False)}
     run = _Analysis(module, backbone, device)
     run.param_names = {id(p): name for name, p in module.named_parameters()}
@@ -88,6 +94,8 @@ def analyze(
     if run.next < len(backbone):
         raise never_called(run)
     structure = run.resolve()
+    if not structure.inner_calls:
+        uninstall()
     log.debug(
         "structure: %d blocks, parameters read outside them by region: %d, values computed from parameters: %s",
         len(backbone), len(structure.region_params), list(structure.values),
@@ -133,11 +141,34 @@ class _Analysis(BlockCalls):
             self.structure.region_modules.setdefault(id(called), set()).add(self.next)
 
     def module_returned(self, called: nn.Module, args: Any, output: Any) -> None:
-        if self.in_block or isinstance(called, Runner):
+        if isinstance(called, Runner):
             return
         path = self.module_names.get(id(called))
-        if path is not None:
+        if self.in_block:
+            if path is not None:
+                self._inner_returned(called, path, args, output)
+        elif path is not None:
             self.module_output(path, output)  # counted as the stages' hooks count it
+
+    def _inner_returned(self, called: nn.Module, path: str, args: Any, output: Any) -> None:
+        """A module inside the block that runs returned: its new tensors may leave the block through a forward hook
+        ([Note: values from inside blocks]); a hooked module's call is what a skipped block replays."""
+        index = self.next - 1
+        if not path.startswith(self.program.backbone.blocks[index].name + "."):
+            return
+        call = self.inner_calls.get(path, 0)
+        self.inner_calls[path] = call + 1
+        record = record_call(index, path, call, called, args, output)
+        if record is not None:
+            self.structure.inner_calls.setdefault(index, []).append(record)
+        for i, leaf in enumerate(tree_leaves(output)):
+            if not isinstance(leaf, Ghost) or id(leaf) in self.ghost_params:
+                continue
+            known = self.producers.get(id(leaf))
+            # a value is its innermost module's, unless an enclosing module's hooks hand it out
+            if known is None or (record is not None and known[0][0] == "inner"):
+                self.producers.pop(id(leaf), None)
+                self.producers[self._keep(leaf)] = (("inner", path, call, i), block_position(index))
 
     def on_module_output(self, path: str, call: int, output: Any) -> None:
         for i, leaf in enumerate(tree_leaves(output)):
@@ -221,7 +252,9 @@ class _Analysis(BlockCalls):
             # block cannot give it), unless it returns what it was given.
             if isinstance(leaf, Tensor) and i not in passed and id(leaf) not in self.ghost_params and (
                 id(leaf) not in self.producers or id(leaf) in self.derived
+                or self.producers[id(leaf)][0][0] == "inner"  # a module's inside the block: the block's output
             ):
+                self.producers.pop(id(leaf), None)
                 self.producers[self._keep(leaf)] = (("block", index, 0, i), position)
         self.structure.block_io[index] = BlockIO(
             shapes, spec, tuple(_meta(leaf) if isinstance(leaf, Tensor) else leaf for leaf in leaves), passed
@@ -267,7 +300,26 @@ class _Analysis(BlockCalls):
             later = {u for u in uses.get(gid, ()) if u > position}
             if later:
                 self.structure.values[producer] = (position, later)
+        self._check_inner()
         return self.structure
+
+    def _check_inner(self) -> None:
+        """Keep the hooked calls to replay only if a value leaves a block through them; refuse one that leaves a
+        block otherwise ([Note: values from inside blocks])."""
+        inner = [p for p in self.structure.values if p[0] == "inner"]
+        hooked = {(c.path, c.call) for calls in self.structure.inner_calls.values() for c in calls}
+        for producer in inner:
+            _, path, call, _ = producer
+            if (path, call) not in hooked:
+                block = self.program.backbone.blocks[(self.structure.values[producer][0] - 1) // 2]
+                raise BackboneCallError(
+                    f"The output of `{path}`, a module inside block `{block.name}`, is used after that block, but"
+                    " the block neither returns it nor hands it out through a forward hook on that module (it is"
+                    " kept elsewhere, e.g. on a module). Blocks of another stage cannot put it back where it is read."
+                    " Return it from the block (a tuple), or record it with a forward hook on the module."
+                )
+        if not inner:
+            self.structure.inner_calls.clear()
 
 
 def _meta(t: Tensor) -> Tensor:
@@ -275,17 +327,18 @@ def _meta(t: Tensor) -> Tensor:
 
 
 def _output_kind(name: str, out: Any) -> OutputKind:
+    """How a block's output holds its hidden state: the tensor itself, or the first tensor of a tuple or list (the
+    other elements may be anything, ``None`` included: SD3's last joint block returns ``(None, hidden_states)``)."""
     if isinstance(out, Tensor):
         return None
-    if isinstance(out, (tuple, list)) and out and isinstance(out[0], Tensor):
-        rest = tuple(
-            torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta") if isinstance(v, Tensor) else None
-            for v in out[1:]
-        )
-        return (type(out) if type(out) in (tuple, list) else tuple, rest)
+    at = next((i for i, v in enumerate(out) if isinstance(v, Tensor)), None) if isinstance(out, (tuple, list)) else None
+    if at is not None:
+        metas = tuple(_meta(v) if isinstance(v, Tensor) and i != at else None for i, v in enumerate(out))
+        return (type(out) if type(out) in (tuple, list) else tuple, at, metas)
     raise BackboneCallError(
-        f"Block `{name}` returns a {type(out).__name__}; a pipelined block must return its hidden state as a tensor,"
-        " or a tuple or list whose first element is the hidden state."
+        f"Block `{name}` returns a {type(out).__name__}{' without a tensor' if isinstance(out, (tuple, list)) else ''};"
+        " a pipeline sends tensors between stages: a pipelined block must return its hidden state as a tensor, or a"
+        " tuple or list of tensors (and `None`s) whose first tensor is the hidden state."
     )
 
 
@@ -312,7 +365,8 @@ def _refuse_filled_cache(args: tuple, kwargs: dict) -> None:
 def everything_ghosted(
     module: nn.Module, device: torch.device, dtypes: Optional[dict[int, torch.dtype]] = None
 ) -> Iterator[dict[int, Ghost]]:
-    """Every parameter of ``module``, and every buffer of a module with parameters, a ghost for the block (one ghost
+    """Every parameter of ``module``, and every buffer of a module with parameters (or on the meta device), a ghost for
+    the block (one ghost
     per tensor, shared by the names it has). Yields ``{id(real tensor): ghost}``. ``dtypes``: the dtype a tensor
     computes in when it is not its own (``{id: dtype}``: a sharded parameter all-gathered in bf16)."""
     ghosts: dict[int, Ghost] = {}
@@ -320,7 +374,8 @@ def everything_ghosted(
     try:
         for path, sub in module.named_modules(remove_duplicate=False):
             owned = sub._parameters
-            tables = [owned] + ([sub._buffers] if any(v is not None for v in owned.values()) else [])
+            meta_buffers = any(v is not None and v.is_meta for v in sub._buffers.values())  # built on meta: no values
+            tables = [owned] + ([sub._buffers] if meta_buffers or any(v is not None for v in owned.values()) else [])
             for table in tables:
                 for name, value in list(table.items()):
                     if value is None or isinstance(value, Ghost):

@@ -9,7 +9,8 @@ the backbone's blocks swapped for runners (:class:`Runner`) that decide what eac
   of other stages, and those this rank holds that earlier code reads, are ghosts, blocks before the window are
   skipped, which makes it cheap and keeps the values computed from the batch alone (masks, rotary tables, position
   ids) real. What the previous stage sent takes the place of its producers' outputs (a skipped block's, a
-  module's), so the user's code carries each value to where it is used ([Note: stage boundaries]). After the
+  module's, or what a skipped block's hooks recorded: [Note: values from inside blocks]), so the user's code carries
+  each value to where it is used ([Note: stage boundaries]). After the
   window's last block the step stops, and the values the next stage needs are the stage's output.
 - **answer** (:meth:`StepProgram.run_answering`, the last stage's loss in training, and evaluation): the same with
   the code after the backbone as the window: every block is skipped, the values the last stage output take their
@@ -182,6 +183,7 @@ class _Window(BlockCalls):
             out = program.skipped_output(index, args, kwargs, hidden, self.given)
             if self.wanted:
                 self._collect_block(index, out)
+            program.replay_inner(index, args, kwargs, self.given, self.on_inner_value)
             if index == self.first - 1 and self.restore_prefix is not None:
                 self.restore_prefix()  # the window starts: this run's code reads the real tensors from here
             return out
@@ -211,6 +213,10 @@ class _Window(BlockCalls):
             if producer in self.wanted:
                 self.found[producer] = leaves[i]
         return tree_unflatten(leaves, spec) if changed else None
+
+    def on_inner_value(self, producer: Producer, value: Tensor) -> None:
+        if producer in self.wanted:
+            self.found[producer] = value
 
     def _collect_block(self, index: int, out: Any) -> None:
         for i, leaf in enumerate(tree_leaves(out)):
