@@ -355,9 +355,10 @@ def _refuse_filled_cache(args: tuple, kwargs: dict) -> None:
             if filled:
                 raise BackboneCallError(
                     f"The backbone blocks get a {type(value).__name__} that already holds keys and values from earlier"
-                    " calls (a KV cache, as in generation). A pipeline cannot split a cache that lives across calls"
-                    " over stages. Train and evaluate without `past_key_values` (e.g. `use_cache=False`), and generate"
-                    " with the consolidated model outside the pipeline."
+                    " calls while the step is analysed. A training step cannot carry a cache across calls over stages:"
+                    " train without `past_key_values` (e.g. `use_cache=False`). Generation (`generate()` or a decoding"
+                    " loop) runs through the pipeline from `validation_step`, `test_step` and `predict_step`, each"
+                    " stage keeping its own layers' cache (docs/evaluation.md, 'Generation')."
                 )
 
 
