@@ -178,9 +178,13 @@ class PipelineStrategy(WatchedCollectives, ParallelStrategy):
         self._keep_split = keep_split
         self._split_guard: Optional[SplitGuard] = None  # a module left split after a call: its reads raise
         self._options = validated_options(
-            pipeline_parallel_size, data_parallel_size, num_microbatches, schedule, stages_per_rank, backbone, balance,
-            activation_checkpointing, timeline, stall_timeout, check_data_every_n_batches, data_parallel,
-            data_parallel_shard_size, reshard_after_forward, tensor_parallel_size, tensor_parallel_plan, max_memory,
+            pipeline_parallel_size=pipeline_parallel_size, data_parallel_size=data_parallel_size,
+            num_microbatches=num_microbatches, schedule=schedule, stages_per_rank=stages_per_rank, backbone=backbone,
+            balance=balance, activation_checkpointing=activation_checkpointing, timeline=timeline,
+            stall_timeout=stall_timeout, check_data_every_n_batches=check_data_every_n_batches,
+            data_parallel=data_parallel, data_parallel_shard_size=data_parallel_shard_size,
+            reshard_after_forward=reshard_after_forward, tensor_parallel_size=tensor_parallel_size,
+            tensor_parallel_plan=tensor_parallel_plan, max_memory=max_memory,
         )
         self._hooks_context: Optional[ExitStack] = None  # from setup to teardown
         self._configured = ConfigureModelCalls()  # what `configure_model` asked for ([Note: configure_model's calls])

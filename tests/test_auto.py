@@ -218,7 +218,7 @@ def test_a_model_on_the_meta_device_is_predicted_from_parameter_counts():
 
     with torch.device("meta"):
         module = nn.Sequential(*[nn.Linear(8, 8) for _ in range(8)])
-    options = validated_options(4, "auto", "auto", "auto", "auto", "auto", "uniform", False, None)
+    options = validated_options(pipeline_parallel_size=4, schedule="auto")
 
     def measure(*args, **kwargs):
         raise AssertionError("nothing is timed on the meta device")

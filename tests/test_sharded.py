@@ -67,8 +67,9 @@ def phases(work: Path) -> list[dict[str, Any]]:
             **PP2, "data_parallel": "fsdp", "schedule": "Interleaved1F1B", "reshard_after_forward": True,
             "activation_checkpointing": True,
         }),
-        phase("gpt2_ddp", GPT2, {**PP2, "num_microbatches": 2}),
-        phase("gpt2_fsdp", GPT2, {**PP2, "num_microbatches": 2, "data_parallel": "fsdp"}),
+        phase("gpt2_ddp", GPT2, {**PP2, "num_microbatches": 2}, hf_save=str(work / "gpt2_ddp_hf")),
+        phase("gpt2_fsdp", GPT2, {**PP2, "num_microbatches": 2, "data_parallel": "fsdp"},
+              hf_save=str(work / "gpt2_fsdp_hf")),
         phase("gpt2_ddp_zb", GPT2, {**PP2, "num_microbatches": 2, "schedule": "InterleavedZeroBubble"}),
         phase("rope_dp4_ddp", ROPE, {"pipeline_parallel_size": 1, "num_microbatches": 2}),
         {**phase("rope_dp4_lightning", ROPE, None), "strategy_name": "ddp"},
@@ -225,12 +226,12 @@ def test_an_hsdp_shape_that_does_not_divide_is_refused_on_every_rank(four):
 
 def test_arguments_of_the_sharded_modes_are_checked():
     with pytest.raises(ValueError, match="'ddp'.*'fsdp'.*'hsdp'"):
-        validated_options(2, "auto", "auto", "1F1B", "auto", "auto", "uniform", False, None, data_parallel="zero3")
+        validated_options(pipeline_parallel_size=2, data_parallel="zero3")
     with pytest.raises(ValueError, match="applies to `data_parallel='hsdp'` only"):
-        validated_options(2, "auto", "auto", "1F1B", "auto", "auto", "uniform", False, None, data_parallel="fsdp",
+        validated_options(pipeline_parallel_size=2, data_parallel="fsdp",
                           data_parallel_shard_size=2)
     with pytest.raises(ValueError, match="sharded stages only"):
-        validated_options(2, "auto", "auto", "1F1B", "auto", "auto", "uniform", False, None,
+        validated_options(pipeline_parallel_size=2,
                           reshard_after_forward=True)
 
 
@@ -244,3 +245,17 @@ def test_what_sharded_stages_cannot_honour_is_refused_with_the_fix():
     for callback in (StochasticWeightAveraging(swa_lrs=0.1), ModelPruning("l1_unstructured")):
         with pytest.raises(ValueError, match="data_parallel='ddp'"):
             refuse_unshardable("hsdp", MixedPrecision("bf16-mixed", "cpu"), [callback])
+
+
+@pytest.mark.dist
+def test_a_sharded_model_is_whole_after_fit_and_saves_in_parallel(four, work):
+    """pp2 x FSDP2: after `fit` the module is whole on every rank (`save_pretrained` on global zero writes it), and the
+    parallel save writes each rank's shards; both load with nothing missing and equal the replicated run's."""
+    from test_pretrained import assert_close, loaded
+
+    replicated = loaded(work / "gpt2_ddp_hf" / "plain")
+    plain, parallel = loaded(work / "gpt2_fsdp_hf" / "plain"), loaded(work / "gpt2_fsdp_hf" / "parallel")
+    assert_close(parallel, plain)
+    assert_close(loaded(work / "gpt2_ddp_hf" / "parallel"), replicated)
+    worst = max((plain[k] - replicated[k]).abs().max().item() for k in plain)
+    assert worst < 2e-4, worst  # AdamW, as the training comparison above

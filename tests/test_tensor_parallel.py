@@ -68,7 +68,8 @@ def phases(work: Path) -> list[dict[str, Any]]:
             **TP2, "schedule": "Interleaved1F1B", "activation_checkpointing": True}},
         {"name": "llama_fsdp2_tp2", **LLAMA, "strategy": {
             **TP2, "pipeline_parallel_size": 1, "data_parallel": "fsdp"}},
-        {"name": "hf_llama_auto", **HF, "strategy": {**TP2, "tensor_parallel_plan": "auto"}},
+        {"name": "hf_llama_auto", **HF, "strategy": {**TP2, "tensor_parallel_plan": "auto"},
+         "hf_save": str(work / "hf_llama_auto_hf")},
         {"name": "llama_user_plan", **LLAMA, "model": "llama_tp_user",
          "strategy": {**TP2, "tensor_parallel_plan": None}},
         {"name": "nanogpt_tied_zb", "model": "nanogpt", "data": {"n": 32, "batch_size": 8}, "trainer": TRAIN,
@@ -273,7 +274,7 @@ def test_plans_are_read_and_checked_with_the_fix():
     with pytest.raises(ValueError, match="Keep one of them"):
         choose_plan(zoo.LLAMA_TP_PLAN, [(ColwiseParallel(), block.wq, None)], 2, zoo.make("llama_tp"), blocks)
     with pytest.raises(ValueError, match=r"tensor_parallel_plan=\.\.\.\)` needs `tensor_parallel_size` > 1"):
-        validated_options(2, "auto", "auto", "1F1B", "auto", "auto", "uniform", False, None,
+        validated_options(pipeline_parallel_size=2,
                           tensor_parallel_plan=zoo.LLAMA_TP_PLAN)
 
 
@@ -301,3 +302,17 @@ def test_what_configure_model_asks_for_is_checked_like_a_plan():
     outside = nn.ModuleDict({"emb": nn.Embedding(10, 4)})
     with pytest.raises(ValueError, match="does not divide the 10 rows of `emb`"):
         recorded_plan([(RowwiseParallel(), outside.emb, None)], outside, blocks, 4)
+
+
+@pytest.mark.dist
+def test_a_tensor_parallel_model_is_whole_after_fit_and_saves_in_parallel(four, work):
+    """pp2 x TP2: after `fit` the module is whole (`save_pretrained` on global zero), and the parallel save writes each
+    tensor rank's shards; both load with nothing missing and equal one process's weights."""
+    from test_pretrained import assert_close, loaded
+
+    want = reference(by_name(work, "hf_llama_auto"))["state_dict"]
+    want = {k[len("model."):]: v for k, v in want.items()}
+    plain, parallel = loaded(work / "hf_llama_auto_hf" / "plain"), loaded(work / "hf_llama_auto_hf" / "parallel")
+    assert_close(parallel, plain)
+    worst = max((plain[k] - want[k]).abs().max().item() for k in plain)
+    assert worst < 2e-4, worst  # AdamW, as the training comparison above

@@ -109,6 +109,11 @@ def run_phase(phase: dict[str, Any], devices: int) -> dict[str, Any]:
                 result["predictions"] = [p.cpu() for p in trainer.predict(model, val)]
         if "save" in phase:
             trainer.save_checkpoint(phase["save"])
+        if "hf_save" in phase:  # after the call: the parallel save, and the user's line on global zero
+            if isinstance(trainer.strategy, PipelineStrategy):
+                trainer.strategy.save_pretrained(Path(phase["hf_save"]) / "parallel")
+            if trainer.is_global_zero:
+                model.model.save_pretrained(Path(phase["hf_save"]) / "plain")
     except Exception as err:
         if not phase.get("expect_error"):
             raise

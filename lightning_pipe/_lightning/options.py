@@ -50,15 +50,16 @@ class PipelineOptions:
 
 
 def validated_options(
-    pipeline_parallel_size: Any,
-    data_parallel_size: Any,
-    num_microbatches: Any,
-    schedule: str,
-    stages_per_rank: Any,
-    backbone: str,
-    balance: Any,
-    activation_checkpointing: Any,
-    timeline: Any,
+    *,
+    pipeline_parallel_size: Any = "auto",
+    data_parallel_size: Any = "auto",
+    num_microbatches: Any = "auto",
+    schedule: str = "1F1B",
+    stages_per_rank: Any = "auto",
+    backbone: Any = "auto",
+    balance: Any = "uniform",
+    activation_checkpointing: Any = False,
+    timeline: Any = None,
     stall_timeout: Any = None,
     check_data_every_n_batches: Any = None,
     data_parallel: Any = None,
@@ -68,8 +69,8 @@ def validated_options(
     tensor_parallel_plan: Any = None,
     max_memory: Any = None,
 ) -> PipelineOptions:
-    """Check the constructor's arguments (raising ``ValueError`` that names the fix) and resolve ``"auto"`` where
-    it does not depend on the processes."""
+    """Check the constructor's arguments, by keyword as ``PipelineStrategy`` takes them (raising ``ValueError`` that
+    names the fix), and resolve ``"auto"`` where it does not depend on the processes."""
     for name, value in (
         ("pipeline_parallel_size", pipeline_parallel_size),
         ("data_parallel_size", data_parallel_size),
