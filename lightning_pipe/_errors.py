@@ -27,3 +27,23 @@ def argument_not_on_stage(block: str, stage: int, what: str) -> str:
         " other arguments must be computable from the batch and buffers on every stage (masks, position ids, rotary"
         " tables). Compute them from the batch, or move that computation into the blocks."
     )
+
+
+
+class stop_iteration_fails:  # a context manager, named like contextlib's
+    """Turn a ``StopIteration`` out of the user's step into an error. Lightning's loops take one for the end of the
+    data: this rank alone would end its epoch, silently, and the other ranks would wait for it forever. (A class:
+    ``contextlib.contextmanager`` lets a ``StopIteration`` through even when the generator converts it.)"""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: Any, err: Any, traceback: Any) -> None:
+        if isinstance(err, StopIteration):
+            raise RuntimeError(
+                "The step raised `StopIteration` under `PipelineStrategy` (Lightning would take it for the end of the"
+                " data on this rank only, and the other ranks would wait forever). The usual cause is `next(...)` over"
+                " something this stage does not hold, such as `next(module.parameters())` of a module whose"
+                " parameters live on another stage: read the dtype or device from the input, a buffer or"
+                " `self.device` instead."
+            ) from err

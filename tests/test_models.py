@@ -13,7 +13,10 @@ Two jobs run every case, one per process count (starting processes costs more th
   checkpointing), diffusers' Flux (1F1B with fit, validate, predict; ZBVZeroBubble), PixArt-alpha
   (InterleavedZeroBubble) and SD3 (its last block returns ``(None, hidden_states)``); and mixture-of-experts models
   with the load-balancing loss, whose router logits every block's hook records for the code after the backbone:
-  Mixtral (1F1B), Qwen3-MoE (ZBVZeroBubble) and Qwen2-MoE (activation checkpointing);
+  Mixtral (1F1B), Qwen3-MoE (ZBVZeroBubble) and Qwen2-MoE (activation checkpointing); Hugging Face Mllama on images
+  and text, its language layers of two classes (self- and cross-attention, the latter on the second stage only)
+  named as the backbone (fit, validate, predict), and found by ``backbone="auto"`` with the vision layers before
+  them (Interleaved1F1B);
 - four processes: Llama and T5 resumed from the two-process checkpoints (another pipeline size), GPT-2, nanoGPT and
   Flux interleaved over 8 stages, the reused block over 4 (LoopedBFS), and the rotary GPT and T5 as 2 pipelines x 2
   replicas.
@@ -42,6 +45,7 @@ RESNET = {"backbone": ["model.layer1", "model.layer2", "model.layer3", "model.la
 ACCUM = {"gradient_clip_val": 0.5, "accumulate_grad_batches": 2}
 PADDED = {"kind": "padded", "n": 32, "batch_size": 8}  # lengths 3 to 16, padded per batch, -100 labels
 T5 = ["model.encoder.block", "model.decoder.block"]
+MLLAMA = "model.model.language_model.layers"
 SMALL = {"n": 16, "batch_size": 8}  # two steps
 # the load-balancing loss is a statistic of the rows it sees: computed per microbatch (2 rows), as under DDP or
 # gradient accumulation; one device computes it per 2 rows too (zoo.HFMoE)
@@ -86,6 +90,11 @@ TWO = [
          reference=PER_MICROBATCH),
     case("qwen2_moe_aux", "qwen2_moe_aux", {"num_microbatches": 4, "activation_checkpointing": True}, data=SMALL,
          reference=PER_MICROBATCH),
+    # language layers of two classes, cross-attention on the second stage only; with "auto": the vision layers too
+    case("mllama", "mllama", {"num_microbatches": 4, "backbone": MLLAMA}, trainer=ACCUM,
+         fns=["fit", "validate", "predict"]),
+    case("mllama_auto", "mllama", {"num_microbatches": 4, "schedule": "Interleaved1F1B"},
+         trainer={"gradient_clip_val": 0.5}),
 ]
 FOUR = [
     case("llama_resumed", "hf_llama", {"num_microbatches": 4}, trainer={"max_epochs": 2, **ACCUM}),
@@ -187,6 +196,13 @@ def test_two_processes_train_like_one_device(two, index):
                 torch.equal(a, b) if not a.is_floating_point() else torch.allclose(a, b, atol=ATOL, rtol=0)
                 for a, b in zip(r["predictions"], want["predictions"])
             )
+
+
+def test_auto_pipelines_mllamas_language_layers_of_two_classes(two):
+    """``backbone="auto"`` takes the language layers (self- and cross-attention classes mixed) with the vision
+    layers the step runs before them: 2 + 4 blocks, not the 2 vision layers alone."""
+    for r in ranks(two, "mllama_auto", 2):
+        assert r["layout"][-1][1] == 6, r["layout"]
 
 
 @pytest.mark.parametrize("index", range(len(FOUR)), ids=[p["name"] for p in FOUR])

@@ -430,3 +430,56 @@ def test_a_value_without_a_batch_dimension_crosses_and_is_not_merged(schedule):
     got = run(PipelineStrategy(num_microbatches=2, schedule=schedule, stages_per_rank=2))
     assert got[0] == pytest.approx(want[0], abs=1e-6)
     assert max((got[1][k] - want[1][k]).abs().max().item() for k in want[1]) < 1e-5
+
+
+class _SelfLayer(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(width, width)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.proj(h)
+
+
+class _CrossLayer(_SelfLayer):
+    """Another class of block in the same container (Mllama's cross-attention layers, Jamba's Mamba layers)."""
+
+
+def test_auto_takes_containers_of_mixed_block_classes_and_most_of_the_parameters(caplog):
+    """A container of blocks of several classes is a container of blocks; the longest candidate gives way to one that
+    holds more parameters when it leaves most of them outside; the choice is logged; a tie is still refused."""
+    from lightning_pipe._model.backbone import find_backbone
+
+    def holder(**containers: nn.Module) -> nn.Module:
+        root = nn.Module()
+        for name, container in containers.items():
+            root.add_module(name, container)
+        return root
+
+    mixed = [_SelfLayer(8), _SelfLayer(8), _CrossLayer(8), _SelfLayer(8)]
+    vlm = holder(vision=nn.ModuleList([_SelfLayer(4) for _ in range(2)]), layers=nn.ModuleList(mixed))
+    with caplog.at_level("INFO"):
+        assert find_backbone(vlm, "auto").paths == ("layers",)
+    assert "pipelining `layers` (3 x _SelfLayer + 1 x _CrossLayer), which holds 88% of the parameters" in caplog.text
+
+    light = holder(
+        small=nn.ModuleList([_SelfLayer(2) for _ in range(8)]), big=nn.ModuleList([_SelfLayer(16) for _ in range(2)])
+    )
+    caplog.clear()
+    with caplog.at_level("INFO"):
+        assert find_backbone(light, "auto").paths == ("big",)  # 8 blocks holding 8%: the 2 holding 92% instead
+    assert "pipelining `big` (2 x _SelfLayer), which holds 92% of the parameters" in caplog.text
+
+    tie = holder(
+        a=nn.ModuleList([_SelfLayer(4), _CrossLayer(4), _SelfLayer(4), _CrossLayer(4)]),
+        b=nn.ModuleList([_SelfLayer(4) for _ in range(4)]),
+    )
+    with pytest.raises(ValueError, match="cannot choose: 2 containers of blocks are equally long"):
+        find_backbone(tie, "auto")
+
+    # modules of several classes, one without parameters, or none repeated: not blocks
+    plain = holder(mlp=nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4)), io=nn.ModuleList(
+        [nn.Linear(4, 4), nn.LayerNorm(4)]
+    ))
+    with pytest.raises(ValueError, match="found no container of repeated blocks"):
+        find_backbone(plain, "auto")

@@ -15,6 +15,8 @@
 - ``albert``: one block reused for every layer of the backbone (its parameters are shared by every stage).
 - ``mixtral_aux``, ``qwen2_moe_aux``, ``qwen3_moe_aux``: Hugging Face mixture-of-experts LMs with the
   load-balancing loss (router logits recorded by hooks inside every block); ``sd3``: diffusers' SD3 transformer.
+- ``mllama``: Hugging Face Mllama on image+text rows: the language layers mix self- and cross-attention classes and
+  read the vision encoder's projected output.
 """
 
 from __future__ import annotations
@@ -106,6 +108,8 @@ def loader(
         return DataLoader(finetuning(n, seed, kind), batch_size=batch_size, collate_fn=collate)
     if name == "flux":
         return DataLoader(latents(n, seed), batch_size=batch_size)
+    if name == "mllama":
+        return DataLoader(image_text(n, seed), batch_size=batch_size)
     if name in ("pixart", "sd3"):  # 4 channels of 8 x 8
         return DataLoader(latents(n, seed, tokens=64, channels=4), batch_size=batch_size)
     data = images(n, seed) if name in ("vit", "resnet") else tokens(n, seed, pad=name == "rope")
@@ -369,6 +373,60 @@ class PixArt(Lit):
     def loss(self, batch: Any) -> torch.Tensor:
         out, target = self.predict(batch)
         return F.mse_loss(out, target)
+
+
+class Mllama(Lit):
+    """Hugging Face Mllama (Llama 3.2 Vision) as shipped (tiny config, random weights), on image+text rows: a vision
+    encoder (two local layers, one global) whose projected output every cross-attention layer of the language model
+    reads; the language layers mix self-attention and cross-attention classes (cross-attention at layer 3 only, so
+    the two stages of a 2-process pipeline differ in kind); the loss inside ``forward`` from ``labels``."""
+
+    def __init__(self, layers: int = 4, cross: tuple[int, ...] = (3,), **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        from transformers import MllamaConfig, MllamaForConditionalGeneration
+
+        config = MllamaConfig(
+            vision_config=dict(
+                image_size=8, patch_size=4, hidden_size=16, num_hidden_layers=2, num_global_layers=1,
+                attention_heads=4, intermediate_size=32, vision_output_dim=32, intermediate_layers_indices=[0],
+                max_num_tiles=1, supported_aspect_ratios=[[1, 1]],
+            ),
+            text_config=dict(
+                vocab_size=VOCAB, hidden_size=DIM, num_hidden_layers=layers, num_attention_heads=HEADS,
+                num_key_value_heads=2, intermediate_size=2 * DIM, max_position_embeddings=64,
+                cross_attention_layers=list(cross), pad_token_id=0, bos_token_id=1, eos_token_id=2,
+            ),
+            image_token_index=VOCAB,
+        )
+        self.model = MllamaForConditionalGeneration(config)
+
+    def forward(self, batch: Any, labels: Optional[torch.Tensor] = None) -> Any:
+        ids, pixels = batch[0], batch[1]
+        n = ids.shape[0]
+        ones = torch.ones(n, 1, dtype=torch.long, device=ids.device)
+        return self.model(
+            input_ids=ids, pixel_values=pixels, aspect_ratio_ids=ones, aspect_ratio_mask=ones[:, :, None],
+            cross_attention_mask=batch[2], labels=labels,
+        )
+
+    def loss(self, batch: Any) -> torch.Tensor:
+        labels = batch[0].masked_fill(batch[0] == VOCAB, -100)
+        return self(batch, labels=labels).loss
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self(batch).logits.argmax(-1)
+
+
+def image_text(n: int = 32, seed: int = 0) -> TensorDataset:
+    """Mllama rows: tokens behind an image token, one 8 x 8 image of one tile, and which tokens see the image (the
+    image token's row sees none: a fully masked cross-attention row)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(1, VOCAB, (n, SEQ), generator=g)
+    x[:, 0] = VOCAB
+    pixels = torch.randn(n, 1, 1, 3, 8, 8, generator=g)
+    sees = torch.ones(n, SEQ, 1, 1, dtype=torch.long)
+    sees[:, 0] = 0
+    return TensorDataset(x, pixels, sees)
 
 
 class MaskedLoss(Lit):
@@ -944,6 +1002,7 @@ ZOO = {
     "bart": lambda **kw: HFSeq2Seq("bart", **kw),
     "flux": Flux,
     "pixart": PixArt,
+    "mllama": Mllama,
     "nanogpt": LitNanoGPT,
     "vit": LitVit,
     "resnet": LitResNet,

@@ -68,10 +68,11 @@ class Backbone:
 def find_backbone(module: nn.Module, spec: Union[str, Sequence[str]] = "auto") -> Backbone:
     """The backbone of ``module``: the container(s) at the dotted path(s) ``spec``, or found (``"auto"``).
 
-    ``"auto"`` takes a ``backbone`` attribute if the module has one, else the longest container of repeated blocks
-    (children of one class, with parameters), outermost first; it refuses, listing the candidates, when two are
-    equally long. (Before that, ``_model/split.py`` tries every candidate together, kept when the step runs them one
-    after the other: :func:`consecutive_candidates`.)
+    ``"auto"`` takes a ``backbone`` attribute if the module has one, else a container of blocks (outermost first;
+    see :func:`_repeated_containers`): the longest, unless it leaves most of the module's parameters outside while
+    another holds more (then the one that holds the most); it refuses, listing the candidates, when that leaves a
+    tie. It logs its choice. (Before that, ``_model/split.py`` tries every candidate together, kept when the step
+    runs them one after the other: :func:`consecutive_candidates`.)
     """
     if isinstance(spec, str) and spec == "auto":
         paths = _auto_paths(module)
@@ -121,42 +122,79 @@ def _auto_paths(module: nn.Module) -> list[str]:
             " Set `backbone=` to the dotted path of the container that holds the blocks (e.g. 'model.layers' or"
             f" 'transformer.h'), or a list of consecutive containers.{hint}"
         )
-    longest = max(len(c) for _, c in candidates)
-    best = [(n, c) for n, c in candidates if len(c) == longest]
-    if len(best) > 1:
-        listed = ", ".join(f"'{n}' ({len(c)} x {_block_class(c)})" for n, c in candidates)
-        raise ValueError(
-            f"`PipelineStrategy(backbone='auto')` cannot choose: {len(best)} containers of repeated blocks are"
-            f" equally long. Candidates: {listed}. Set `backbone=` to one of them, or to a list of consecutive"
-            " containers that run one after the other (e.g. ['layer1', 'layer2', 'layer3', 'layer4'])."
-        )
-    name, container = best[0]
-    block = _block_class(container)
+    name, container = _choose(module, candidates)
     rank_zero_info(
-        f"PipelineStrategy: pipelining `{name}` ({len(container)} x {block}); set `backbone=` to choose another."
+        f"PipelineStrategy: pipelining `{name}` ({_describe(container)}), which holds {_share(module, container)} of"
+        " the parameters; set `backbone=` to choose another."
     )
     return [name]
 
 
-def _block_class(container: nn.Module) -> str:
-    return type(next(iter(container._modules.values()))).__name__
+def _choose(module: nn.Module, candidates: list[tuple[str, nn.Module]]) -> tuple[str, nn.Module]:
+    """The longest candidate; but one that leaves most parameters outside the pipeline gives way to the candidate
+    that holds the most (Mllama: 2 vision layers against 4 language layers of two classes, or 8 small vision layers
+    against 4 large language layers). Refuses on a tie."""
+    longest = max(len(c) for _, c in candidates)
+    best = [(n, c) for n, c in candidates if len(c) == longest]
+    total = _numel(module)
+    if len(best) > 1 or 2 * _numel(best[0][1]) < total:
+        heaviest = max(_numel(c) for _, c in candidates)
+        heavy = [(n, c) for n, c in candidates if _numel(c) == heaviest]
+        if len(heavy) == 1 and (len(best) > 1 or heaviest > _numel(best[0][1])):
+            best = heavy
+    if len(best) > 1:
+        listed = ", ".join(f"'{n}' ({_describe(c)})" for n, c in candidates)
+        shares = ", ".join(_share(module, c) for _, c in candidates)
+        raise ValueError(
+            f"`PipelineStrategy(backbone='auto')` cannot choose: {len(best)} containers of blocks are equally long"
+            f" and hold as many parameters. Candidates: {listed}, holding {shares} of the parameters. Set"
+            " `backbone=` to one of them, or to a list of consecutive containers that run one after the other (e.g."
+            " ['layer1', 'layer2', 'layer3', 'layer4'])."
+        )
+    return best[0]
+
+
+def _numel(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def _share(module: nn.Module, container: nn.Module) -> str:
+    total = _numel(module)
+    return f"{100 * _numel(container) / total:.0f}%" if total else "none"
+
+
+def _describe(container: nn.Module) -> str:
+    """``4 x NanoBlock``, or for blocks of several classes ``3 x MllamaSelfAttentionDecoderLayer + 1 x ...``."""
+    counts: dict[str, int] = {}
+    for child in container._modules.values():
+        if child is not None:
+            counts[type(child).__name__] = counts.get(type(child).__name__, 0) + 1
+    return " + ".join(f"{n} x {name}" for name, n in counts.items())
 
 
 def _repeated_containers(module: nn.Module) -> list[tuple[str, nn.Module]]:
-    """Containers of two or more children of one class that have parameters, not inside another such container."""
+    """Containers of blocks, not inside another such container: two or more children, either of one class with
+    parameters, or of several classes each child with parameters and one class repeated (self- and cross-attention
+    layers, Mamba and attention layers: Mllama's and Jamba's language models)."""
     found: list[tuple[str, nn.Module]] = []
     inside: set[int] = set()
     for name, sub in module.named_modules():
         if not name or id(sub) in inside or not isinstance(sub, _CONTAINERS):
             continue
         children = [c for c in sub._modules.values() if c is not None]  # a reused block counts each time
-        if len(children) < 2 or len({type(c) for c in children}) != 1:
-            continue
-        if not any(True for c in children for _ in c.parameters()):
+        if len(children) < 2 or not _holds_blocks(children):
             continue
         found.append((name, sub))
         inside.update(id(m) for m in sub.modules())
     return found
+
+
+def _holds_blocks(children: list[nn.Module]) -> bool:
+    classes = [type(c) for c in children]
+    if len(set(classes)) == 1:
+        return any(True for c in children for _ in c.parameters())
+    repeated = max(classes.count(c) for c in set(classes)) > 1
+    return repeated and all(any(True for _ in c.parameters()) for c in children)
 
 
 def _resolve(module: nn.Module, path: str, spec: Any) -> nn.Module:

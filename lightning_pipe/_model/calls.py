@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves, tree_unflatten
 
-from lightning_pipe._errors import BackboneCallError, not_computed_by_last_stage
+from lightning_pipe._errors import BackboneCallError, not_computed_by_last_stage, stop_iteration_fails
 from lightning_pipe._ghost import Ghost, ghost_of
 from lightning_pipe._lightning.log import LogRecorder
 from lightning_pipe._model.backbone import Backbone
@@ -281,13 +281,18 @@ class BlockRunners:
         arg_leaves = list(args) if plain else tree_leaves((args, kwargs))
         shapes = [tuple(t.shape) for t in arg_leaves if isinstance(t, Tensor)]
         sizes = size_map_of_shapes(io.arg_shapes, shapes)
+        # No size map when one old size takes two new ones (a batch of 8 over 8 image patches, as a microbatch of 2):
+        # an output shaped like an argument then takes that argument's new shape.
+        like_arg = {} if sizes is not None else dict(reversed(list(zip(io.arg_shapes, shapes))))
         leaves = []
         for i, leaf in enumerate(io.out_leaves):
             value = given.get(("block", index, 0, i))
             if value is None and i in io.passed:
                 value = arg_leaves[io.passed[i]]
             if value is None and isinstance(leaf, Tensor):
-                shape = tuple(leaf.shape) if sizes is None else tuple(sizes.get(d, d) for d in leaf.shape)
+                shape = like_arg.get(tuple(leaf.shape), tuple(leaf.shape)) if sizes is None else tuple(
+                    sizes.get(d, d) for d in leaf.shape
+                )
                 if isinstance(hidden, Ghost) and tuple(hidden.shape) == shape and hidden.dtype == leaf.dtype:
                     value = hidden  # the common case: a block returns its hidden state's shape (no new ghost)
                 else:
@@ -423,7 +428,7 @@ def loss_of(result: Any) -> Tensor:
 
 
 def call_muted(module: nn.Module, step: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-    with LogRecorder().installed(module):  # the last stage logs the step once per microbatch, in its loss
+    with LogRecorder().installed(module), stop_iteration_fails():  # the last stage logs the step per microbatch
         return step(*args, **kwargs)
 
 

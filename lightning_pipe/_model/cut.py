@@ -21,6 +21,7 @@ and the names of what the rank holds are unchanged, and ``state_dict()`` holds e
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -35,6 +36,7 @@ from lightning_pipe._ghost import Ghost, ghost_of
 from lightning_pipe._lightning.summary import parameter_counts
 from lightning_pipe._model.backbone import Backbone
 from lightning_pipe._model.calls import Structure
+from lightning_pipe._model.emptied import lend_ghost_dtype, restore_classes
 from lightning_pipe._model.flow import make_flow
 from lightning_pipe._model.names import ModelNames
 from lightning_pipe.partition import StageLayout
@@ -78,6 +80,8 @@ class Cut:
         self.last_stage = layout.num_stages - 1
         self.block_stage = [layout.stage_of_block(i) for i in range(len(backbone))]
         self.registrations = _registrations(module)
+        self._module = weakref.ref(module)
+        self._emptied: list[tuple[nn.Module, type]] = []
         self.names = ModelNames.of(module)
         for reg in self.registrations:
             reg.key = self.names.first_name.get(id(reg.tensor), reg.paths[0])
@@ -244,6 +248,8 @@ class Cut:
                 reg.tensor = stand_ins[reg.key]
         held_ids = {id(reg.tensor) for reg in held}
         self.names = replace(self.names, first_name={i: n for i, n in self.names.first_name.items() if i in held_ids})
+        whole = self._module()
+        self._emptied = lend_ghost_dtype(whole) if whole is not None else []  # [Note: emptied models]
         self.split = True
         log.debug("pipeline rank %d keeps %d of %d tensors", rank, len(held), len(self.registrations))
 
@@ -263,6 +269,7 @@ class Cut:
         """Register every tensor again with its whole value (``{key: value}``, a parameter this rank held kept as the
         object it is), so the module is the whole model once more ([Note: the whole module after a Trainer call]);
         :meth:`keep_only` cuts it again for the same layout."""
+        restore_classes(self._emptied)
         params: dict[str, nn.Parameter] = {}
         renamed: dict[int, nn.Parameter] = {}
         for reg in self.registrations:

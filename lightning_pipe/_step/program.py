@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
-from lightning_pipe._errors import BackboneCallError
+from lightning_pipe._errors import BackboneCallError, stop_iteration_fails
 from lightning_pipe._ghost import Ghost, contains_ghost, ghost_of
 from lightning_pipe._model.backbone import Backbone
 from lightning_pipe._model.calls import (
@@ -146,7 +146,7 @@ class StepProgram(BlockRunners):
         outputs = output if isinstance(output, tuple) else (output,)
         n = len(self.backbone)
         run = _Window(self, n, n, dict(zip(self.flow.answers, outputs)), (), False, None)
-        with self.running(run, swaps="answer"):
+        with self.running(run, swaps="answer"), stop_iteration_fails():
             result = step(*args, **kwargs)
         if not run.after_backbone:
             raise never_called(run)
