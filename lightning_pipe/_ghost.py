@@ -9,6 +9,10 @@ operation that involves a ghost.
 
 The parameters and buffers a rank does not hold are ghosts too: attribute access (``self.cls_token``) and module
 calls (``self.embed_tokens(ids)``) keep working on every stage, without the memory.
+
+``torch.compile`` never traces a ghost: making one and every operation on one are opaque to dynamo (a graph break),
+so a compiled module that meets ghosts (a stage's code before its window) runs those operations eagerly and compiles
+the rest.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ class Ghost(torch.Tensor):
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @staticmethod
+    @torch.compiler.disable
     def __new__(cls, meta: torch.Tensor, device: torch.device, origin: str = "") -> Ghost:
         ghost = torch.Tensor._make_wrapper_subclass(
             cls,
@@ -80,6 +85,7 @@ class Ghost(torch.Tensor):
         )
 
     @classmethod
+    @torch.compiler.disable
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
         ghosts = [a for a in _leaves((args, kwargs)) if isinstance(a, Ghost)]

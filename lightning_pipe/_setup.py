@@ -132,11 +132,24 @@ def _cut_into_stages(
     module: pl.LightningModule, args: SetupArgs, fitting: bool, measure: Callable[..., Any], chooser: Optional[Chooser]
 ) -> Cut:
     options, device = args.options, args.device
-    return split_module(
-        module, options.backbone, pipeline_parallel_size=args.dims.pipeline, stages_per_rank=options.stages_per_rank,
-        pipeline_rank=args.dims.pipeline_rank, schedule=options.schedule, balance=options.balance, device=device,
-        fitting=fitting, sample=lambda: first_batch(module, args.batch_to_device), measure=measure, choose=chooser,
-    )
+    # The analysis runs the step as the Trainer call will (bf16-true's default dtype, autocast): what it creates and
+    # keeps (a lazily built table) has the step's dtype. Compiled modules run eagerly: dynamo must not trace ghosts.
+    with _step_context(args.precision_plugin, fitting, module.trainer), torch.compiler.set_stance("force_eager"):
+        return split_module(
+            module, options.backbone, pipeline_parallel_size=args.dims.pipeline,
+            stages_per_rank=options.stages_per_rank, pipeline_rank=args.dims.pipeline_rank, schedule=options.schedule,
+            balance=options.balance, device=device, fitting=fitting,
+            sample=lambda: first_batch(module, args.batch_to_device), measure=measure, choose=chooser,
+        )
+
+
+def _step_context(plugin: PipelinePrecision, fitting: bool, trainer: pl.Trainer) -> Any:
+    """The precision plugin's context of the steps this ``Trainer`` call runs."""
+    if fitting:
+        return plugin.train_step_context()
+    contexts = {TrainerFn.VALIDATING: plugin.val_step_context, TrainerFn.TESTING: plugin.test_step_context,
+                TrainerFn.PREDICTING: plugin.predict_step_context}
+    return contexts.get(trainer.state.fn, plugin.val_step_context)()
 
 
 def _parallelize(module: pl.LightningModule, cut: Cut, args: SetupArgs) -> Any:

@@ -266,11 +266,29 @@ def test_arguments_it_cannot_honour_are_refused_by_name():
         sharding_of(shard_calls((block, {"shard_placement_fn": None, "ignored_params": set()})), [block], None)
 
 
-def test_a_two_dimensional_mesh_is_refused_with_hsdp(mesh):
+class _Mesh:
+    """What ``sharding_of`` reads of a ``DeviceMesh``: its dimensions' names and sizes (no group of this size here)."""
+
+    def __init__(self, names: tuple[str, ...], sizes: tuple[int, ...]) -> None:
+        self.mesh_dim_names, self.shape, self.ndim = names, sizes, len(sizes)
+
+    def size(self, dim: int) -> int:
+        return self.shape[dim]
+
+
+def test_a_mesh_spanning_two_dimensions_is_refused_with_hsdp(mesh):
+    """Lightning's fp8 example passes the whole mesh, ``(data_parallel, tensor_parallel)`` of size ``(4, 1)``: plain
+    sharding, as is the pipeline's own mesh (its pipeline dimension is never sharded over); two dimensions of more
+    than one process are hybrid sharding."""
     block = nn.Linear(2, 2)
-    with pytest.raises(ValueError, match=r"2-D mesh \(hybrid sharding\).*data_parallel='hsdp'"):
-        sharding_of(shard_calls((block, {"mesh": mesh})), [block], None)
+    assert sharding_of(shard_calls((block, {"mesh": mesh})), [block], None) is not None
     assert sharding_of(shard_calls((block, {"mesh": mesh["data_parallel"]})), [block], None) is not None
+    ours = _Mesh(("data_parallel", "pipeline_parallel", "tensor_parallel"), (2, 2, 1))
+    assert sharding_of(shard_calls((block, {"mesh": ours})), [block], None) is not None
+    hybrid = _Mesh(("replicate", "shard"), (2, 2))
+    with pytest.raises(ValueError, match=r"mesh of several dimensions \(replicate, shard\) \(hybrid sharding\)"
+                                         r".*data_parallel='hsdp'"):
+        sharding_of(shard_calls((block, {"mesh": hybrid})), [block], None)
 
 
 @pytest.mark.parametrize("data_parallel", ["ddp", "hsdp"])

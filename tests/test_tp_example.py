@@ -8,12 +8,16 @@ head as well as the blocks, with sequence parallelism, a vocabulary-sharded head
 ``on_train_start`` (which draws new weights on the sharded tensors, each strategy with its own random numbers) is
 replaced by loading one full state dict, so that every run starts from the same weights (``tests/tp_example_job.py``).
 
-Launches, shared by the tests: two processes (``ModelParallelStrategy`` tp2, AdamW and SGD), four processes
+Lightning's fp8 example (``examples/pytorch/fp8_distributed_transformer``, ``tests/fp8_example.py``: FSDP2 and
+``torch.compile`` in ``configure_model``, batches of one, float8 aside) shares the launch of two processes.
+
+Launches, shared by the tests: two processes (``ModelParallelStrategy`` tp2, AdamW and SGD; then the fp8 example under
+``PipelineStrategy(pipeline_parallel_size=2)`` in fp32 and in ``bf16-true``), four processes
 (``ModelParallelStrategy`` dp2 x tp2 with the example's bf16 policy and with an fp32 one; then ``PipelineStrategy``
 pp2 x tp2 with SGD and AdamW, pp1 x dp2 x tp2 with the fp32 and the bf16 policy, and last the example's own
 ``train()``, whose ``on_train_start`` is not replaced);
-one process in this one (SGD, AdamW). A launch stops at its first failing phase: the phases of
-``ModelParallelStrategy`` come first, so its results are there whatever the pipeline does.
+one process in this one (SGD, AdamW; the fp8 example in both precisions). A launch stops at its first failing phase:
+the phases of ``ModelParallelStrategy`` come first, so its results are there whatever the pipeline does.
 """
 
 from __future__ import annotations
@@ -36,9 +40,12 @@ PP2_TP2 = {"pipeline_parallel_size": 2, "tensor_parallel_size": 2}  # the exampl
 PP1_DP2_TP2 = {"pipeline_parallel_size": 1, "data_parallel_size": 2, "tensor_parallel_size": 2}
 SHARDED = {"use_distributed_sampler": True}  # two replicas: the same sampler (replica count, seed) under both
 
+FP8 = {"fp8": True, "strategy": "pipeline", "strategy_kwargs": {"pipeline_parallel_size": 2}}  # the strategy line
 TWO = [
     {"name": "mps_tp2_adamw", "strategy": "model_parallel", "strategy_kwargs": TP2},
     {"name": "mps_tp2_sgd", "strategy": "model_parallel", "strategy_kwargs": TP2, "optimizer": "sgd"},
+    {"name": "fp8_pp2_fp32", **FP8, "precision": "32-true"},
+    {"name": "fp8_pp2_bf16", **FP8, "precision": "bf16-true"},  # the example's own precision
 ]
 FOUR = [
     {"name": "mps_dp2_tp2_bf16", "strategy": "model_parallel", "strategy_kwargs": DP2_TP2, **SHARDED},
@@ -204,3 +211,55 @@ def test_the_example_trains_as_published_under_the_pipeline(four):
     tensor_parallel_size=2)`` on 4 processes, its own ``on_train_start`` re-initialising the sharded weights."""
     four.ranks("example_pipeline")
     assert "Training successfully completed!" in four.log, four.log[-4000:]
+
+
+# ------------------------------------------------------------------------------------------- Lightning's fp8 example
+@pytest.fixture(scope="module")
+def fp8_one() -> dict[str, dict[str, Any]]:
+    """The fp8 example on one process, in this one, without a strategy (nothing to shard), compiled the same way."""
+    import fp8_example
+
+    try:
+        return {p: fp8_example.run_phase({"precision": p}, 1, tp_example_job.Recorder())
+                for p in ("32-true", "bf16-true")}
+    finally:
+        torch.compiler.reset()
+
+
+def fp8_compare(got: list[dict[str, Any]], want: dict[str, Any], **tolerance: float) -> tuple[float, float]:
+    """The same start, the same loss at every batch and the same final weights on every rank, within ``tolerance``
+    (``torch.testing.assert_close``'s); the compiled module ran compiled on every rank. Returns the largest
+    differences of the losses and of the weights."""
+    import fp8_example
+
+    assert largest(merged_state(got, "initial"), want["initial"]) == 0.0, "the runs did not start from the same weights"
+    want_losses = [s["loss"] for s in want["steps"]]
+    assert len(want_losses) == fp8_example.BATCHES
+    for r in got:
+        torch.testing.assert_close([s["loss"] for s in r["steps"]], want_losses, **tolerance)
+        assert r["graphs"] > 0, f"rank {r['rank']}: dynamo compiled nothing: the user's compiled module ran eagerly"
+    end = merged_state(got)
+    assert largest(want["state_dict"], want["initial"]) > 1e-4, "the weights did not move"
+    for k, v in want["state_dict"].items():
+        torch.testing.assert_close(end[k], v, **tolerance, msg=lambda m, k=k: f"{k}: {m}")
+    return (max(abs(s["loss"] - w) for r in got for s, w in zip(r["steps"], want_losses)),
+            largest(end, want["state_dict"]))
+
+
+def test_the_fp8_example_trains_under_the_pipeline_as_one_process_in_fp32(two, fp8_one):
+    """Lightning's fp8 example with only the strategy line changed (``fully_shard`` with the whole mesh, a
+    ``torch.compile``d model, batches of one): losses and final weights within 1e-5 of one process."""
+    got = two.ranks("fp8_pp2_fp32")
+    assert all(r["param_dtypes"] == ["torch.float32"] for r in got)
+    losses_apart, weights_apart = fp8_compare(got, fp8_one["32-true"], rtol=0.0, atol=1e-5)
+    print(f"fp8 example, pp2 against one process (fp32): losses {losses_apart:.1e}, weights {weights_apart:.1e}")
+
+
+def test_the_fp8_example_trains_under_the_pipeline_as_one_process_in_bf16_true(two, fp8_one):
+    """The same in the example's ``bf16-true``. With one microbatch both run the same bf16 operations in the same
+    order, but gradients are reduced and Adam steps in bf16 in another grouping: weights may differ by one bf16
+    rounding step (a relative 2**-7), which is the tolerance (losses too)."""
+    got = two.ranks("fp8_pp2_bf16")
+    assert all(r["param_dtypes"] == ["torch.bfloat16"] for r in got)
+    losses_apart, weights_apart = fp8_compare(got, fp8_one["bf16-true"], rtol=2**-7, atol=1e-5)
+    print(f"fp8 example, pp2 against one process (bf16-true): losses {losses_apart:.1e}, weights {weights_apart:.1e}")

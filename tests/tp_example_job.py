@@ -15,7 +15,8 @@ one after the other in the same processes. A phase:
   one process too, reads the batches in order; with two, both strategies give Lightning's sampler the same replica
   count and seed, so the two replicas together see the same samples under either;
 - ``example``: run the example's own ``train()`` as published instead (its ``on_train_start`` re-initialises the
-  sharded weights, so nothing is compared; it must train).
+  sharded weights, so nothing is compared; it must train);
+- ``fp8``: train Lightning's fp8 example (``tests/fp8_example.py``) instead, in ``precision``.
 
 The example's ``on_train_start`` draws new weights on the sharded tensors, with each strategy's own random numbers.
 Here :class:`FromFullWeights` loads instead the one full state dict :func:`full_weights` into whatever this rank holds
@@ -148,6 +149,10 @@ def make_strategy(phase: dict[str, Any]):
 
 
 def run_phase(phase: dict[str, Any], devices: int) -> dict[str, Any]:
+    if phase.get("fp8"):  # Lightning's fp8 example instead (tests/fp8_example.py)
+        import fp8_example
+
+        return fp8_example.run_phase(phase, devices, Recorder())
     if phase.get("example"):
         example_module("train").train(**phase.get("example_kwargs", {}))
         return {"error": None, "rank": dist.get_rank() if dist.is_initialized() else 0}

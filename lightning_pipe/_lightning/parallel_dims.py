@@ -151,6 +151,14 @@ def is_tensor_parallel(mesh: Optional[DeviceMesh]) -> bool:
     return mesh is not None and TENSOR in names and mesh.size(names.index(TENSOR)) > 1
 
 
+def sharded_dims(mesh: DeviceMesh) -> list[str]:
+    """The dimensions of ``mesh`` (one a ``configure_model`` gave ``fully_shard``) that sharding over it would span:
+    those of more than one process, the pipeline's left out (a stage is sharded over its replicas, never over the
+    pipeline that holds the other stages). One, or none, is plain sharding over the replicas; two are hybrid."""
+    names = list(mesh.mesh_dim_names or (str(d) for d in range(mesh.ndim)))
+    return [name for d, name in enumerate(names) if name != PIPELINE and mesh.size(d) > 1]
+
+
 def hsdp_shard_size(shard_size: Any, dp: int, processes_per_node: int) -> int:
     """The replicas per sharding group: as given, or (``"auto"``) the processes of one node, which must divide the
     replicas."""

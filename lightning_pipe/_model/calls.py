@@ -103,6 +103,7 @@ class Runner(nn.Module):
         object.__setattr__(self, "_lp_index", index)
         object.__setattr__(self, "_lp_block", block)
 
+    @torch.compiler.disable  # a compiled module around the blocks: the pipeline's own code is never traced
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         run = self._lp_program.current
         if run is None:  # e.g. a checkpointed block recomputed in backward, after the step
@@ -345,6 +346,7 @@ class BlockRunners:
                     vars(owner)[hooks] = OrderedDict()
 
 
+@torch.compiler.disable
 def _module_returned(program: Any, path: str, called: nn.Module, args: Any, output: Any) -> Any:
     """A producer module's forward hook ([Note: stage boundaries]): the run in progress decides what the step sees."""
     runners = program()

@@ -29,6 +29,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from lightning_pipe._compat.torch import checkpoint_wrappers, fully_shard_recorded, parallel_styles_recorded
+from lightning_pipe._lightning.parallel_dims import sharded_dims
 from lightning_pipe._model.tensor_parallel import Record
 
 
@@ -105,10 +106,11 @@ def sharding_of(calls: ConfigureModelCalls, blocks: list[nn.Module], data_parall
                 " `mp_policy` only. Remove the other arguments."
             )
         mesh = kwargs.get("mesh")
-        if mesh is not None and mesh.ndim != 1:
+        spanned = sharded_dims(mesh) if mesh is not None else []
+        if len(spanned) > 1:  # a mesh whose other dimensions have one process (Lightning's fp8 example) is plain
             raise ValueError(
-                "`configure_model` calls `fully_shard` with a 2-D mesh (hybrid sharding): pass"
-                " `PipelineStrategy(data_parallel='hsdp')` instead and remove the call."
+                f"`configure_model` calls `fully_shard` with a mesh of several dimensions ({', '.join(spanned)})"
+                " (hybrid sharding): pass `PipelineStrategy(data_parallel='hsdp')` instead and remove the call."
             )
         policies.append(kwargs.get("mp_policy", MixedPrecisionPolicy()))
         modules = [target] if isinstance(target, nn.Module) else list(target)

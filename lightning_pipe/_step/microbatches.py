@@ -3,16 +3,19 @@
 :class:`MicrobatchPolicy` is what ``PipelineStrategy(num_microbatches=...)`` means for one pipeline. A fixed count
 that does not divide a batch (a ragged last batch) becomes the largest count below it that does
 (:func:`largest_divisor_at_most`), so every microbatch has the same size and the mean of microbatch means is the
-batch mean. ``"auto"`` is :func:`default_num_microbatches`: a count that splits the batch evenly, that torch's
-schedule accepts (:func:`valid_num_microbatches`, which the planner's search checks too) and whose bubble is under
-:data:`TARGET_BUBBLE` when the batch is large enough (:func:`microbatch_target`). :mod:`lightning_pipe.plan`
-re-exports the functions.
+batch mean. A batch of one sample is one microbatch whatever the count (Lightning's fp8 example trains on batches of
+one): it runs, with a warning that the stages cannot overlap. ``"auto"`` is :func:`default_num_microbatches`: a count
+that splits the batch evenly, that torch's schedule accepts (:func:`valid_num_microbatches`, which the planner's search
+checks too) and whose bubble is under :data:`TARGET_BUBBLE` when the batch is large enough
+(:func:`microbatch_target`). :mod:`lightning_pipe.plan` re-exports the functions.
 """
 
 from __future__ import annotations
 
 import math
 from typing import Any, Optional, Union
+
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_pipe.schedules import ScheduleSpec, schedule_spec
 
@@ -61,6 +64,13 @@ class MicrobatchPolicy:
     def check_batch_size(self, batch_size: Any, split: str) -> None:
         """Raise, naming the fix, when a loader's ``batch_size`` is too small to split."""
         if not isinstance(batch_size, int):
+            return
+        if batch_size == 1 and self.pipeline_parallel_size * self.stages_per_rank > 1:
+            rank_zero_warn(
+                f"PipelineStrategy: the {split} batch size is 1, so each batch is one microbatch and the pipeline's"
+                " stages run one after the other: they cannot overlap. Raise the batch size (and `num_microbatches`)"
+                " for the stages to work at the same time."
+            )
             return
         if self.requested == "auto":
             self.for_batch(batch_size)  # raises, naming the fix, when no count suits the batch
@@ -119,12 +129,15 @@ def default_num_microbatches(
     the smallest one at least :func:`microbatch_target` (``4p`` for one stage per process, ``2p`` for two: a bubble
     under 20%); if the batch is too small for that, the largest accepted one below it. Every microbatch then has
     the same number of samples, at least one. With ``pipeline_parallel_size == 1`` there is nothing to overlap
-    and the answer is 1 (2 for DualPipeV, which needs a microbatch per stage).
+    and the answer is 1 (2 for DualPipeV, which needs a microbatch per stage). A batch of one sample is one
+    microbatch (the strategy runs it with an all-forward, all-backward schedule, which accepts any count).
 
     Raises:
         ValueError: if no count works, e.g. a 1F1B batch smaller than the pipeline.
     """
     check_positive("batch_size", batch_size)
+    if batch_size == 1:
+        return 1
     target = microbatch_target(pipeline_parallel_size, stages_per_rank, schedule)
     accepted = [
         d for d in divisors(batch_size) if valid_num_microbatches(d, pipeline_parallel_size, stages_per_rank, schedule)
