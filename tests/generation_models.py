@@ -64,7 +64,7 @@ def text(tokens: torch.Tensor) -> str:
 
 class GenerativeLM(zoo.Lit):
     def __init__(self, family: str = "llama", decode: str = "greedy", lora: bool = False, layers: int = 4,
-                 **kwargs: Any) -> None:
+                 generate_first: bool = False, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
@@ -89,6 +89,7 @@ class GenerativeLM(zoo.Lit):
                                                      lora_dropout=0.0, init_lora_weights=False))
         self.model = model
         self.decode = decode
+        self.generate_first = generate_first  # issue 36: the step's first model call is generate()'s, unpadded
         self.cer = CharErrorRate()
         self.mean_loss = MeanMetric()  # updated before generating: the first batch must not count it twice
         self.generated: list[torch.Tensor] = []
@@ -96,8 +97,15 @@ class GenerativeLM(zoo.Lit):
     def loss(self, batch: Any) -> torch.Tensor:
         return self.model(**batch).loss
 
+    def prompts(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Any, list[torch.Tensor]]:
+        """:func:`prompts`, or with ``generate_first`` each row's first 8 tokens, unpadded, without a mask."""
+        if not self.generate_first:
+            return prompts(batch)
+        ids = batch["input_ids"]
+        return ids[:, :8], None, list(ids[:, 8:])
+
     def generate(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        prompt, mask, _ = prompts(batch)
+        prompt, mask, _ = self.prompts(batch)
         options: dict[str, Any] = {"max_new_tokens": NEW_TOKENS, "attention_mask": mask, "pad_token_id": 0}
         if self.decode == "beam":
             options.update(num_beams=2, do_sample=False)
@@ -112,13 +120,14 @@ class GenerativeLM(zoo.Lit):
         return out[:, prompt.shape[1]:]
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
+        new = self.generate(batch, batch_idx) if self.generate_first else None
         loss = self.loss(batch)
         self.log("val_loss", loss, sync_dist=True)
         self.mean_loss.update(loss)
         self.log("val_mean_loss", self.mean_loss)
-        new = self.generate(batch, batch_idx)
+        new = self.generate(batch, batch_idx) if new is None else new
         self.generated.append(new.cpu())
-        _, _, targets = prompts(batch)
+        _, _, targets = self.prompts(batch)
         self.cer([text(t) for t in new], [text(t) for t in targets])
         self.log("val_cer", self.cer)
 
@@ -142,13 +151,14 @@ class NanoGenerator(zoo.Lit):
     """The zoo's nanoGPT with nanoGPT's own ``generate`` loop."""
 
     def __init__(self, sample: bool = False, inline: bool = False, fail_after: Optional[int] = None,
-                 **kwargs: Any) -> None:
+                 fail_at_once: bool = False, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.model = zoo.NanoGPT(4)
         self.sample = sample
         self.inline = inline  # the loop runs the model's parts itself instead of calling it: refused
         if fail_after is not None:  # the head (on the last stage only) raises in the decoding step after that many
             self.model.lm_head.register_forward_pre_hook(_failing_after(fail_after))
+        self.fail_at_once = fail_at_once  # the step raises after its loss: on the last stage, in the batch's one pass
         self.generated: list[torch.Tensor] = []
 
     def loss(self, batch: Any) -> torch.Tensor:
@@ -183,6 +193,8 @@ class NanoGenerator(zoo.Lit):
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         x, _, _ = batch
         self.log("val_loss", self.loss(batch), sync_dist=True)
+        if self.fail_at_once:
+            raise ValueError("the step refuses its batch")
         torch.manual_seed(7 + batch_idx)
         out = self.nanogpt_generate(x[:, :4], NEW_TOKENS, temperature=0.8, top_k=10)
         self.generated.append(out[:, 4:].cpu())

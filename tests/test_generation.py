@@ -6,7 +6,8 @@ the epoch with a ``validation_step`` that computes the loss and then generates 1
 of different lengths (tests/generation_models.py). Every case compares, on every rank, the generated token ids with
 the single-device run's (exactly), the metrics computed from the generated text and the training losses (within
 1e-5). The caches: each rank's microbatch caches held its own stages' layers only, no longer than prompt plus new
-tokens, and none is alive after the run.
+tokens, and none is alive after the run. Issue 36: beam search as the step's first model call
+(unpadded 8-token prompts, before the loss), and a step that fails on the last stage in a single pass.
 """
 
 from __future__ import annotations
@@ -47,6 +48,9 @@ CASES = [
     case("nanogpt_predict_only_pp2", "nano", PP2, model_kwargs={"sample": True}, fns=["predict"]),
     case("llama_greedy_fsdp", "lm", {**PP2, "data_parallel": "fsdp"},
          model_kwargs={"family": "llama", "decode": "greedy"}),
+    # issue 36: beam search as the step's first model call (8 unpadded prompts of 8 tokens: 16 rows), during fit
+    case("llama_beam_first_pp2", "lm", PP2, model_kwargs={"family": "llama", "decode": "beam", "generate_first": True}),
+    case("gpt2_beam_first_pp2", "lm", PP2, model_kwargs={"family": "gpt2", "decode": "beam", "generate_first": True}),
     case("llama_beam_tp", "lm", {**PP2, "tensor_parallel_size": 2, "tensor_parallel_plan": "auto"},
          model_kwargs={"family": "llama", "decode": "beam"}),
 ]
@@ -54,6 +58,8 @@ ERRORS = [
     case("static_cache", "lm", PP2, model_kwargs={"family": "llama", "decode": "static"}, expect_error=True),
     case("inline_loop", "nano", PP4, model_kwargs={"inline": True}, expect_error=True),
     case("head_fails", "nano", PP4, model_kwargs={"fail_after": 5}, expect_error=True),
+    # the step fails on the last stage in the first validation batch, before it is known to generate (one pass)
+    case("step_fails_at_once", "nano", PP4, model_kwargs={"fail_at_once": True}, expect_error=True),
 ]
 
 
@@ -248,3 +254,12 @@ def test_a_failure_on_the_last_stage_ends_every_rank_naming_it(launched: Path) -
     assert sum(e.startswith("ValueError") for e in errors) == 1  # the last stage raises its own error
     assert sum(e.startswith("lightning_pipe.BackboneCallError: The last pipeline stage failed") for e in errors) == 3
 
+
+
+@pytest.mark.dist
+def test_a_failure_in_a_single_pass_step_ends_every_rank_naming_it(launched: Path) -> None:
+    errors = [torch.load(launched / f"step_fails_at_once.rank{r}.pt", weights_only=False)["error"] for r in range(4)]
+    assert all(e is not None and "the step refuses its batch" in e for e in errors), errors
+    assert sum(e.startswith("ValueError") for e in errors) == 1
+    named = "lightning_pipe.BackboneCallError: The last pipeline stage (pipeline rank 3) failed in `validation_step`"
+    assert sum(e.startswith(named) for e in errors) == 3

@@ -23,8 +23,9 @@ runs on every rank of the pipeline at once, as a whole, on the real batch:
 
 A step is known to generate once its first batch called the backbone a second time: on the last stage that is the
 :class:`~lightning_pipe._model.calls.SecondPass` the single-pass evaluation meets; every rank learns it from the
-last stage, the random state is put back, and the batch runs again in lock step. Later batches of that step run in
-lock step from the start.
+last stage, the random state is put back, and the batch runs again in lock step. A step whose first model call's
+rows are not the batch's (beam search: each prompt made into its beams before that call) runs in lock step at once
+(:meth:`LockStep.splits_by_rows`). Later batches of that step run in lock step from the start.
 """
 
 from __future__ import annotations
@@ -61,12 +62,26 @@ class Generates:
     """What the last stage answers for a batch whose step turned out to generate (:class:`SecondPass`)."""
 
 
+@dataclass(frozen=True)
+class StepFailed:
+    """What the last stage answers for an evaluation batch whose step raised there: it raises its own error, every
+    other rank of the pipeline a :class:`BackboneCallError` with this message, which names it."""
+
+    message: str
+
+    @classmethod
+    def of(cls, err: BaseException, rank: int, step: Callable[..., Any]) -> StepFailed:
+        return cls(f"The last pipeline stage (pipeline rank {rank}) failed in `{_name(step)}`: {type(err).__name__}:"
+                   f" {err}")
+
+
 class LockStep:
     """The lock-step evaluation steps of one runtime (see [Note: lock step])."""
 
     def __init__(self, runtime: PipelineRuntime) -> None:
         self.runtime = runtime
         self.steps: set[str] = set()  # names of the steps known to generate
+        self._rows_checked: set[str] = set()  # steps whose calls' rows are the batch's (`splits_by_rows`)
         backbone = runtime.cut.backbone
         self.caches = PassCaches(len(backbone))
         local = {i for first, stop in runtime.program.stage_bounds.values() for i in range(first, stop)}
@@ -85,6 +100,24 @@ class LockStep:
 
     def learn(self, step: Callable[..., Any]) -> None:
         self.steps.add(_name(step))
+
+    def splits_by_rows(self, step: Callable[..., Any], batch_size: int, num_microbatches: int, *args: Any,
+                       **kwargs: Any) -> bool:
+        """Whether the single-pass evaluation may run ``step``, whose first model call has ``batch_size`` rows: the
+        first microbatch's rows of the batch give that call's first ``batch_size // num_microbatches`` rows.
+
+        Beam search does not: ``generate(num_beams=2)`` makes 16 rows of 8 prompts before its first model call, so
+        no tensor of the batch is cut and every microbatch would run all of it. Such a step runs in lock step, which
+        cuts the calls' own inputs. Checked on ghosts (the code up to the first block) once per step, on every rank.
+        """
+        if num_microbatches == 1 or _name(step) in self._rows_checked:
+            return True
+        rows = batch_size // num_microbatches
+        first = slice_batch(args[0], batch_size, 0, rows)
+        if self.runtime.program.batch_size_of(step, first, *args[1:], **kwargs) != rows:
+            return False
+        self._rows_checked.add(_name(step))
+        return True
 
     def run(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """The whole step on this rank, its passes through the pipeline; returns what the step returns."""

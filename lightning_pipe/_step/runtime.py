@@ -60,7 +60,7 @@ from lightning_pipe._model.shard import StageSharding
 from lightning_pipe._model.structure import everything_ghosted
 from lightning_pipe._model.untouched import untouched
 from lightning_pipe._step.auto import Config, Trial, describe_choice
-from lightning_pipe._step.generation import Generates, LockStep, random_state_of, set_random_state
+from lightning_pipe._step.generation import Generates, LockStep, StepFailed, random_state_of, set_random_state
 from lightning_pipe._step.gradients import Gradients
 from lightning_pipe._step.last_backward import ReductionOverlap
 from lightning_pipe._step.loss_weights import LossWeighing, warn_unweighted, whole
@@ -296,7 +296,10 @@ class PipelineRuntime:
             return self._generate(step, *args, **kwargs)
         batch_size = program.batch_size_of(step, *args, **kwargs)
         num_microbatches = self.microbatches.for_batch(batch_size)
-        payload = None
+        if not self.lock_step.splits_by_rows(step, batch_size, num_microbatches, *args, **kwargs):
+            self.lock_step.learn(step)  # its model calls' rows are not the batch's: in lock step
+            return self._generate(step, *args, **kwargs)
+        payload, failed = None, None
         random_state = random_state_of(self.device)  # put back if the step turns out to generate
         with self._unsharded():  # the last stage's own code runs the modules after the backbone too
             with program.holding(step, batch, batch_size, *rest, **kwargs):
@@ -308,14 +311,19 @@ class PipelineRuntime:
                 try:
                     with recorder.installed(module), metrics_undone_on(SecondPass, module_metrics(module)):
                         result = program.run_answering(output, step, *args, **kwargs)
-                except SecondPass:
-                    payload = (Generates(), [])
-                else:
                     if contains_ghost(result):
                         raise _ghost_result(step)
                     payload = (result, recorder.reduce(module))
+                except SecondPass:
+                    payload = (Generates(), [])
+                except Exception as err:  # every rank raises, naming it, instead of waiting for the answer
+                    failed, payload = err, (StepFailed.of(err, pipeline.last_stage_rank, step), [])
         with self._waiting_for_last_stage():
             result, entries = self._eval_channel.share(payload)
+        if failed is not None:  # the last stage raises its own error, the other ranks one that names it
+            raise failed
+        if isinstance(result, StepFailed):
+            raise BackboneCallError(result.message)
         if isinstance(result, Generates):  # run it again, in lock step
             set_random_state(random_state, self.device)
             self.lock_step.learn(step)
