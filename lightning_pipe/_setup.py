@@ -155,8 +155,9 @@ def _step_context(plugin: PipelinePrecision, fitting: bool, trainer: pl.Trainer)
 def _parallelize(module: pl.LightningModule, cut: Cut, args: SetupArgs) -> Any:
     options, plugin = args.options, args.precision_plugin
     wanted = ParallelismArgs(
-        options.tensor_parallel_plan, options.data_parallel, options.reshard_after_forward,
-        getattr(plugin, "precision", None),
+        tensor_parallel_plan=options.tensor_parallel_plan, data_parallel=options.data_parallel,
+        reshard_after_forward=options.reshard_after_forward, precision=getattr(plugin, "precision", None),
+        compile=options.compile,
     )
 
     def prepare(unit: nn.Module) -> None:

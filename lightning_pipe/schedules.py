@@ -26,6 +26,8 @@ class ScheduleSpec:
         textbook_bubble: its idle fraction is :func:`textbook_bubble_fraction`, the bubble the timeline compares with.
         planned: the planner's cost model covers it.
         strategy_names: the names it is registered under, for ``Trainer(strategy=...)``.
+        splits_backward: runs each backward as an input-gradient and a later weight-gradient action (zero bubble):
+            torch cannot split the backward of a compiled block ([Note: compiled blocks]).
     """
 
     name: str
@@ -36,6 +38,7 @@ class ScheduleSpec:
     textbook_bubble: bool = False
     planned: bool = False
     strategy_names: tuple[str, ...] = ()
+    splits_backward: bool = False
 
     @property
     def fixed_stages_per_rank(self) -> Optional[int]:
@@ -76,9 +79,11 @@ SCHEDULES: dict[str, ScheduleSpec] = {
             strategy_names=("pipeline_interleaved",),
         ),
         ScheduleSpec("LoopedBFS", True),
-        ScheduleSpec("InterleavedZeroBubble", True, rounds_rule=True),
-        ScheduleSpec("ZBVZeroBubble", True, placement="v", strategy_names=("pipeline_zero_bubble",)),
-        ScheduleSpec("DualPipeV", True, placement="v", min_microbatches="per_stage"),
+        ScheduleSpec("InterleavedZeroBubble", True, rounds_rule=True, splits_backward=True),
+        ScheduleSpec(
+            "ZBVZeroBubble", True, placement="v", strategy_names=("pipeline_zero_bubble",), splits_backward=True
+        ),
+        ScheduleSpec("DualPipeV", True, placement="v", min_microbatches="per_stage", splits_backward=True),
     )
 }
 

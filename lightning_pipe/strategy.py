@@ -134,6 +134,12 @@ class PipelineStrategy(WatchedCollectives, ParallelStrategy):
             available memory; past that bound it stays split with a warning. A split module's ``state_dict()`` (and
             so ``save_pretrained``) raises, naming :meth:`save_pretrained`, the parallel save. See
             ``docs/checkpointing.md``.
+        compile: ``torch.compile`` each block of each stage: ``True``, or a dict of ``torch.compile``'s options
+            (``{"backend": ..., "mode": ..., "dynamic": ...}``), in torchtitan's order (after tensor parallelism and
+            activation checkpointing, before sharding); blocks compiled in ``configure_model`` are recognised and not
+            compiled twice. Schedules that split the backward (``InterleavedZeroBubble``, ``ZBVZeroBubble``,
+            ``DualPipeV``) are refused with compiled blocks; ``schedule="auto"`` then weighs the others. See
+            ``docs/scaling.md``.
     """
 
     strategy_name = "pipeline"
@@ -165,6 +171,7 @@ class PipelineStrategy(WatchedCollectives, ParallelStrategy):
         tensor_parallel_plan: TensorParallelPlan = None,
         max_memory: Union[None, int, str] = None,
         keep_split: bool = False,
+        compile: Union[bool, dict] = False,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -184,7 +191,7 @@ class PipelineStrategy(WatchedCollectives, ParallelStrategy):
             stall_timeout=stall_timeout, check_data_every_n_batches=check_data_every_n_batches,
             data_parallel=data_parallel, data_parallel_shard_size=data_parallel_shard_size,
             reshard_after_forward=reshard_after_forward, tensor_parallel_size=tensor_parallel_size,
-            tensor_parallel_plan=tensor_parallel_plan, max_memory=max_memory,
+            tensor_parallel_plan=tensor_parallel_plan, max_memory=max_memory, compile=compile,
         )
         self._hooks_context: Optional[ExitStack] = None  # from setup to teardown
         self._configured = ConfigureModelCalls()  # what `configure_model` asked for ([Note: configure_model's calls])

@@ -45,6 +45,7 @@ RESNET = {"backbone": ["model.layer1", "model.layer2", "model.layer3", "model.la
 ACCUM = {"gradient_clip_val": 0.5, "accumulate_grad_batches": 2}
 PADDED = {"kind": "padded", "n": 32, "batch_size": 8}  # lengths 3 to 16, padded per batch, -100 labels
 T5 = ["model.encoder.block", "model.decoder.block"]
+COMPILE = {"backend": "aot_eager"}
 MLLAMA = "model.model.language_model.layers"
 SMALL = {"n": 16, "batch_size": 8}  # two steps
 # the load-balancing loss is a statistic of the rows it sees: computed per microbatch (2 rows), as under DDP or
@@ -70,6 +71,9 @@ TWO = [
          model_kwargs={"layers": [2, 2, 2, 2]}, trainer={"gradient_clip_val": 0.5}),
     case("rope", "rope", {"num_microbatches": 4, "schedule": "InterleavedZeroBubble", "balance": "time"}),
     case("albert", "albert", {"num_microbatches": 4}, fns=["fit", "predict"]),
+    # compile=: every block compiled (aot_eager: Inductor's C++ builds would dominate CI's 2 cores), against eager
+    case("llama_compiled", "hf_llama", {"num_microbatches": 4, "schedule": "Interleaved1F1B", "compile": COMPILE},
+         trainer=ACCUM, fns=["fit", "validate"]),
     case("nanogpt_meta", "nanogpt", {"num_microbatches": 4}, meta_init=True),
     # several tensors cross each stage boundary (docs/models.md, "Encoder-decoders and diffusion transformers")
     case("demo_lm", "demo_lm", {"num_microbatches": 4}, trainer=ACCUM, fns=["fit", "validate", "predict"]),

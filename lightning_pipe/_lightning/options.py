@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal, Optional, Union
 
+from lightning_pipe._model.compiled import compiled_zero_bubble
 from lightning_pipe.partition import BALANCE_MODES
 from lightning_pipe.schedules import ScheduleSpec, schedule_spec
 from lightning_pipe.timeline import TimelineOptions
@@ -47,6 +48,7 @@ class PipelineOptions:
     #: ([Note: configuration by measurement])
     auto: bool = False
     max_memory: Optional[int] = None  # bytes a process may hold, for ``schedule="auto"``
+    compile: Optional[dict] = None  # ``torch.compile``'s options for each block; ``None``: not compiled
 
 
 def validated_options(
@@ -68,6 +70,7 @@ def validated_options(
     tensor_parallel_size: Any = 1,
     tensor_parallel_plan: Any = None,
     max_memory: Any = None,
+    compile: Any = False,
 ) -> PipelineOptions:
     """Check the constructor's arguments, by keyword as ``PipelineStrategy`` takes them (raising ``ValueError`` that
     names the fix), and resolve ``"auto"`` where it does not depend on the processes."""
@@ -147,8 +150,16 @@ def validated_options(
             "`PipelineStrategy(tensor_parallel_plan=...)` needs `tensor_parallel_size` > 1 (the processes that split"
             " each block); set it, or drop the plan."
         )
+    if not isinstance(compile, (bool, dict)):
+        raise ValueError(
+            f"`PipelineStrategy(compile={compile!r})` must be `True`, `False`, or a dict of `torch.compile`'s options"
+            " (e.g. `{'mode': 'max-autotune'}`)."
+        )
+    if compile is not False and spec.splits_backward and not auto:
+        raise ValueError(compiled_zero_bubble(spec.name, "`compile=True`"))
     return PipelineOptions(
         pipeline_parallel_size, data_parallel_size, num_microbatches, spec, stages_per_rank, backbone, balance,
         activation_checkpointing, TimelineOptions.resolve(timeline), seconds, every, data_parallel,
         data_parallel_shard_size, reshard_after_forward, tp, tensor_parallel_plan, auto, max_memory,
+        compile=({} if compile is True else dict(compile)) if compile is not False else None,
     )

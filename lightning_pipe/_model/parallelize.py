@@ -11,7 +11,8 @@ order:
    outside modules this rank holds;
 2. activation checkpointing: selected per block here (``activation_checkpointing=``) and applied when the step calls
    the block (``_step/program.py``), so that the block keeps its parameter names;
-3. compile: not offered;
+3. compile (``compile=``): ``Module.compile`` on each block, in place, so its parameter names stay the module's own
+   ([Note: compiled blocks]); activation checkpointing, chosen above, wraps the compiled block when the step calls it;
 4. sharded data parallelism (``data_parallel="fsdp"|"hsdp"``): ``fully_shard`` per block and one unit for the outside
    modules ([Note: sharded stages]), materialised block by block from the meta device.
 
@@ -33,6 +34,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from lightning_pipe._compat.torch import ModuleSnapshot
 from lightning_pipe._ghost import Ghost
 from lightning_pipe._lightning.parallel_dims import ParallelDims
+from lightning_pipe._model.compiled import compiled
 from lightning_pipe._model.configure_model import ConfigureModelCalls, sharding_of
 from lightning_pipe._model.cut import Cut
 from lightning_pipe._model.materialize import materialize_local
@@ -69,13 +71,14 @@ class Sharded:
 @dataclass(frozen=True)
 class ParallelismArgs:
     """What ``PipelineStrategy``'s arguments ask of a stage: ``tensor_parallel_plan``, ``data_parallel`` (``None``:
-    not given), ``reshard_after_forward``, and the precision plugin's ``precision`` (``"bf16-mixed"`` all-gathers
-    sharded parameters in bf16)."""
+    not given), ``reshard_after_forward``, the precision plugin's ``precision`` (``"bf16-mixed"`` all-gathers
+    sharded parameters in bf16), and ``compile``'s options (``None``: blocks not compiled)."""
 
     tensor_parallel_plan: Any = None
     data_parallel: Optional[str] = None
     reshard_after_forward: bool = False
     precision: Optional[str] = None
+    compile: Optional[dict] = None
 
 
 def data_parallel_mode(data_parallel: Optional[str], configured: ConfigureModelCalls) -> str:
@@ -113,7 +116,8 @@ def parallelize_stage(
     named = [(backbone.blocks[i].name, backbone.module(i)) for i in range(len(backbone))]
     split = choose_plan(args.tensor_parallel_plan, configured.styles, dims.tensor, module, named)
     sharded = _sharded(args, configured, [b for _, b in named], dims)
-    blocks, outside = _tensor_parallel_parts(split, dims.tensor_mesh)
+    tensor_parallel_block, outside = _tensor_parallel_parts(split, dims.tensor_mesh)
+    blocks = _then_compiled(tensor_parallel_block, args.compile)
     rank = dims.pipeline_rank
     if sharded is None:
         materialize_local(module, backbone, device)
@@ -146,6 +150,23 @@ def _sharded(
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if args.precision == "bf16-mixed" else MixedPrecisionPolicy()
     return Sharded(dims.shard_mesh, ShardingOptions(args.reshard_after_forward, policy))
+
+
+def _then_compiled(
+    parallelize: Optional[Callable[[nn.Module], None]], options: Optional[dict]
+) -> Optional[Callable[[nn.Module], None]]:
+    """Each block: split over the tensor ranks, then compiled (``compile=``), before it is sharded ([Note: compiled
+    blocks])."""
+    if options is None:
+        return parallelize
+
+    def apply(block: nn.Module) -> None:
+        if parallelize is not None:
+            parallelize(block)
+        if not compiled(block):  # one the user compiled in `configure_model` is not compiled twice
+            block.compile(**options)
+
+    return apply
 
 
 def local_blocks(cut: Cut, pipeline_rank: int) -> list[nn.Module]:

@@ -39,6 +39,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from lightning_pipe._model.compiled import compiled
 from lightning_pipe._step.microbatches import default_num_microbatches, divisors, largest_divisor_at_most
 from lightning_pipe.partition import StageLayout
 from lightning_pipe.schedules import SCHEDULE_NAMES, schedule_spec
@@ -132,6 +133,7 @@ def predict(
     stages_per_rank: int,
     fixed_count: bool,
     max_memory: Optional[int],
+    schedules: Sequence[str] = SCHEDULE_NAMES,
 ) -> list[Candidate]:
     """Every candidate that fits, best predicted first (see [Note: configuration by measurement]).
 
@@ -143,10 +145,11 @@ def predict(
         stages_per_rank: for the looped multi-stage schedules.
         fixed_count: keep the default rule's count (BatchNorm).
         max_memory: bytes a process may hold, or ``None``.
+        schedules: the schedules to weigh (compiled blocks: those that do not split the backward).
     """
     p = pipeline_size
     candidates, dropped = [], []
-    for name in SCHEDULE_NAMES:
+    for name in schedules:
         spec = schedule_spec(name)
         v = spec.fixed_stages_per_rank or stages_per_rank
         try:
@@ -411,6 +414,7 @@ class Chooser:
             lambda v, style: make_layout(costs, p, v, options.balance, style),
             num_microbatches=options.num_microbatches, stages_per_rank=options.stages_per_rank,
             fixed_count=batchnorm, max_memory=budget,
+            schedules=_schedules_for(options, [backbone.module(i) for i in range(len(backbone))]),
         )
         self.trial = Trial(candidates, stand_ins=stand_ins)
         best = candidates[0].config
@@ -434,3 +438,10 @@ class Chooser:
         batch_size = next((int(t.shape[0]) for t in tree_leaves(args[0]) if isinstance(t, torch.Tensor) and t.dim()),
                           1)
         return [BlockCost(c * 1e-9, c * 1e-9, c * 1e-9, 0, batch_size, batch_size) for c in parameter_costs]
+
+
+def _schedules_for(options: Any, blocks: list[torch.nn.Module]) -> tuple[str, ...]:
+    """Every schedule, or with compiled blocks those that do not split the backward ([Note: compiled blocks])."""
+    if options.compile is None and not any(compiled(b) for b in blocks):
+        return SCHEDULE_NAMES
+    return tuple(name for name in SCHEDULE_NAMES if not schedule_spec(name).splits_backward)
