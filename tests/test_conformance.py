@@ -1,0 +1,41 @@
+"""The conformance sweep's CI sample: about ten architectures of the registries (scripts/conformance.py), each built
+tiny by the sweep's one shrinking function and trained by its one runner, in ONE shared 2-process launch. Every one
+must be exact against one process: the loss of every step and the final weights within 1e-5, and the same tokens
+from ``generate()`` greedy and with ``num_beams=2`` (a diffusion model: its output within 1e-5).
+
+The full sweep is ``python scripts/conformance.py --write-docs``; its results are committed in
+``scripts/conformance_results.json`` and shown in docs/models.md.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import run_script
+
+pytestmark = pytest.mark.dist
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+
+
+def test_the_sample_is_exact(tmp_path):
+    from conformance import SAMPLE
+
+    out = tmp_path / "results.json"
+    args = [str(SCRIPTS / "conformance.py"), "--only", "sample", "--out", str(out), "--work", str(tmp_path / "work"),
+            "--timeout", "150", "--chunk", str(len(SAMPLE))]
+    proc = run_script(args, cwd=tmp_path, timeout=420)
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    results = json.loads(out.read_text())["results"]
+    assert sorted(results) == sorted(SAMPLE)
+    launches = list((tmp_path / "work").glob("launch*"))
+    assert len(launches) == 1, f"the sample took {len(launches)} launches: one failed and ended its launch"
+    wrong = {name: r.get("detail") for name, r in results.items() if r["class"] != "exact"}
+    assert not wrong, wrong
+    for name, r in results.items():
+        assert r["moved"] > 1e-3, f"{name}: the weights barely moved, the comparison would prove nothing"
+        assert r.get("greedy", "same") == r.get("beam", "same") == r.get("output", "same") == "same"
