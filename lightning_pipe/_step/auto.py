@@ -414,7 +414,7 @@ class Chooser:
             lambda v, style: make_layout(costs, p, v, options.balance, style),
             num_microbatches=options.num_microbatches, stages_per_rank=options.stages_per_rank,
             fixed_count=batchnorm, max_memory=budget,
-            schedules=_schedules_for(options, [backbone.module(i) for i in range(len(backbone))]),
+            schedules=_schedules_for(options, backbone),
         )
         self.trial = Trial(candidates, stand_ins=stand_ins)
         best = candidates[0].config
@@ -440,8 +440,9 @@ class Chooser:
         return [BlockCost(c * 1e-9, c * 1e-9, c * 1e-9, 0, batch_size, batch_size) for c in parameter_costs]
 
 
-def _schedules_for(options: Any, blocks: list[torch.nn.Module]) -> tuple[str, ...]:
+def _schedules_for(options: Any, backbone: Any) -> tuple[str, ...]:
     """Every schedule, or with compiled blocks those that do not split the backward ([Note: compiled blocks])."""
+    blocks = [backbone.module(i) for i in range(len(backbone))] if backbone is not None else []
     if options.compile is None and not any(compiled(b) for b in blocks):
         return SCHEDULE_NAMES
     return tuple(name for name in SCHEDULE_NAMES if not schedule_spec(name).splits_backward)
