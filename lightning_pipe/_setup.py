@@ -93,7 +93,7 @@ def build_pipeline(module: pl.LightningModule, trainer: pl.Trainer, args: SetupA
         refuse_unshardable(mode, args.precision_plugin, trainer.callbacks)
     microbatches = MicrobatchPolicy(options.num_microbatches, options.schedule, dims.pipeline, options.stages_per_rank)
     measure = _measure(module, args, microbatches)
-    chooser = Chooser(options, dims.pipeline, measure, module, args.device, fitting) if options.auto else None
+    chooser = Chooser(options, dims.pipeline, measure, module, args.device, fitting=fitting) if options.auto else None
     cut = _cut_into_stages(module, args, fitting, measure, chooser)
     if cut.choice is not None:  # [Note: configuration by measurement]
         options = cut.choice.resolve(options)
@@ -106,10 +106,11 @@ def build_pipeline(module: pl.LightningModule, trainer: pl.Trainer, args: SetupA
     args.precision_plugin.convert_module(module)
     cut.convert_ghosts(dims.pipeline_rank, args.precision_plugin.convert_module)
     module.to(args.device)
-    ties = connect_ties(cut, module, dims.pipelines(), dist.get_rank(), args.tie_groups, args.timeout)
+    ties = connect_ties(cut, module, dims.pipelines(), dist.get_rank(), args.tie_groups, timeout=args.timeout)
     runtime = PipelineRuntime(
-        module, cut, options.schedule, microbatches, dims.pipeline_group, dims.data_group, ties, args.device,
-        checkpointed_blocks(options.activation_checkpointing, args.configured.checkpointed),
+        module, cut, schedule=options.schedule, microbatches=microbatches, pp_group=dims.pipeline_group,
+        dp_group=dims.data_group, tie_groups=ties, device=args.device,
+        checkpointed=checkpointed_blocks(options.activation_checkpointing, args.configured.checkpointed),
         amp_scaler=getattr(args.precision_plugin, "scaler", None), timeline=options.timeline,
         check_data_every=options.check_data_every_n_batches, sharding=sharding,
         scale_group=dims.loss_weight_group, tensor_group=dims.tensor_group,

@@ -357,8 +357,9 @@ class PipelineStrategy(WatchedCollectives, ParallelStrategy):
             self._split_guard.release()
             self._split_guard = None
         args = SetupArgs(
-            self._options, self.dims, self._configured, self.precision_plugin, self.root_device, self.batch_to_device,
-            self._tie_groups, self._timeout, self._layer_sync is not None, owner=self,
+            self._options, self.dims, self._configured, self.precision_plugin, self.root_device,
+            batch_to_device=self.batch_to_device, tie_groups=self._tie_groups, timeout=self._timeout,
+            sync_batchnorm=self._layer_sync is not None, owner=self,
         )
         self._runtime, own_sampling = build_pipeline(self.lightning_module, trainer, args)
         self._own_sampling = self._own_sampling or own_sampling

@@ -158,8 +158,11 @@ def validated_options(
     if compile is not False and spec.splits_backward and not auto:
         raise ValueError(compiled_zero_bubble(spec.name, "`compile=True`"))
     return PipelineOptions(
-        pipeline_parallel_size, data_parallel_size, num_microbatches, spec, stages_per_rank, backbone, balance,
-        activation_checkpointing, TimelineOptions.resolve(timeline), seconds, every, data_parallel,
-        data_parallel_shard_size, reshard_after_forward, tp, tensor_parallel_plan, auto, max_memory,
+        pipeline_parallel_size=pipeline_parallel_size, data_parallel_size=data_parallel_size,
+        num_microbatches=num_microbatches, schedule=spec, stages_per_rank=stages_per_rank, backbone=backbone,
+        balance=balance, activation_checkpointing=activation_checkpointing, timeline=TimelineOptions.resolve(timeline),
+        stall_timeout=seconds, check_data_every_n_batches=every, data_parallel=data_parallel,
+        data_parallel_shard_size=data_parallel_shard_size, reshard_after_forward=reshard_after_forward,
+        tensor_parallel_size=tp, tensor_parallel_plan=tensor_parallel_plan, auto=auto, max_memory=max_memory,
         compile=({} if compile is True else dict(compile)) if compile is not False else None,
     )

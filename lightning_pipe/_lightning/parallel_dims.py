@@ -76,7 +76,7 @@ class ParallelDims:
         hybrid = options.data_parallel_shard_size if options.data_parallel == "hsdp" else None
         return cls.resolve(
             options.pipeline_parallel_size, options.data_parallel_size, options.tensor_parallel_size, world_size,
-            hybrid, processes_per_node,
+            hybrid_shard=hybrid, processes_per_node=processes_per_node,
         )
 
     # ------------------------------------------------------------------------------------------------ the mesh

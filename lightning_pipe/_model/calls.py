@@ -146,7 +146,7 @@ class BlockCalls:
         self.next += 1
         at = self.locate_hidden(index, args, kwargs)
         hidden = get_hidden(args, kwargs, at)
-        out = self.on_block(index, block, args, kwargs, at, hidden)
+        out = self.on_block(index, block, args, kwargs, at=at, hidden=hidden)
         if index == len(backbone) - 1:
             self.after_backbone = True
             self.on_backbone_end()
@@ -270,7 +270,10 @@ class BlockRunners:
         calls, io = self.structure.inner_calls.get(index), self.structure.block_io[index]
         if calls:
             shapes = [tuple(t.shape) for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
-            replay(self.module, calls, given, io and size_map_of_shapes(io.arg_shapes, shapes), self.device, found)
+            replay(
+                self.module, calls, given, io and size_map_of_shapes(io.arg_shapes, shapes), device=self.device,
+                found=found,
+            )
 
     def skipped_output(self, index: int, args: tuple, kwargs: dict, hidden: Any, given: dict[Producer, Any]) -> Any:
         """What block ``index``, which this run skips, returns: the values ``given`` for its producers (received

@@ -61,10 +61,11 @@ def record_call(block: int, path: str, call: int, module: nn.Module, args: Any, 
     if not module._forward_hooks:
         return None
     leaves, spec = tree_flatten(output)
+    positional = args if isinstance(args, tuple) else ()
     return InnerCall(
-        block, path, call, spec, tuple(_meta(v) if isinstance(v, Tensor) else v for v in leaves),
-        tuple(_meta(a) if isinstance(a, Tensor) else None for a in (args if isinstance(args, tuple) else ())),
-        tuple(module._forward_hooks),
+        block, path, call, spec, out_leaves=tuple(_meta(v) if isinstance(v, Tensor) else v for v in leaves),
+        arg_leaves=tuple(_meta(a) if isinstance(a, Tensor) else None for a in positional),
+        hooks=tuple(module._forward_hooks),
     )
 
 

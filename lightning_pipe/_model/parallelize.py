@@ -130,7 +130,10 @@ def parallelize_stage(
                     outside(part)
         sharding = None
     else:
-        sharding = shard_stage(module, cut, rank, sharded.mesh, sharded.options, device, prepare, blocks, outside)
+        sharding = shard_stage(
+            module, cut, pipeline_rank=rank, mesh=sharded.mesh, options=sharded.options, device=device, prepare=prepare,
+            parallelize=blocks, parallelize_outside=outside,
+        )
     record = StageParallelism(owner=owner, tensor_parallel=split is not None, sharding=sharding, snapshot=snapshot)
     cut.parallelism = record
     return record

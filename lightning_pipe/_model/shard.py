@@ -137,6 +137,7 @@ def outside_modules(module: nn.Module, blocks: set[int], local: set[int]) -> lis
 def shard_stage(
     module: nn.Module,
     cut: Cut,
+    *,
     pipeline_rank: int,
     mesh: DeviceMesh,
     options: ShardingOptions,

@@ -104,7 +104,7 @@ def split_module(
         log.debug("pipeline rank %d: reusing the split module: %s", rank, layout.describe())
         return previous
     step, args = sample()
-    backbone, structure = _backbone_of(module, backbone_spec, step, args, device, fitting)
+    backbone, structure = _backbone_of(module, backbone_spec, step, args, device, fitting=fitting)
     choice = None
     if choose is not None:
         choice, costs = choose(backbone, structure, step, args, _parameter_costs(module, backbone, structure))

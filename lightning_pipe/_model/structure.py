@@ -158,7 +158,7 @@ class _Analysis(BlockCalls):
             return
         call = self.inner_calls.get(path, 0)
         self.inner_calls[path] = call + 1
-        record = record_call(index, path, call, called, args, output)
+        record = record_call(index, path, call, called, args, output=output)
         if record is not None:
             self.structure.inner_calls.setdefault(index, []).append(record)
         for i, leaf in enumerate(tree_leaves(output)):

@@ -156,7 +156,7 @@ def predict(
             layout = layout_for(v, spec.placement)
         except ValueError:  # fewer blocks than stages
             continue
-        for m in _counts(name, p, v, batch_size, num_microbatches, fixed_count):
+        for m in _counts(name, p, v, batch_size, num_microbatches, fixed_count=fixed_count):
             candidate = _predicted(Config(name, v, m), layout, costs, params, batch_size)
             (dropped if max_memory is not None and candidate.memory > max_memory else candidates).append(candidate)
     if not candidates and not dropped:
@@ -437,7 +437,9 @@ class Chooser:
 
         batch_size = next((int(t.shape[0]) for t in tree_leaves(args[0]) if isinstance(t, torch.Tensor) and t.dim()),
                           1)
-        return [BlockCost(c * 1e-9, c * 1e-9, c * 1e-9, 0, batch_size, batch_size) for c in parameter_costs]
+        return [
+            BlockCost(c * 1e-9, c * 1e-9, c * 1e-9, 0, rows=batch_size, batch_size=batch_size) for c in parameter_costs
+        ]
 
 
 def _schedules_for(options: Any, backbone: Any) -> tuple[str, ...]:

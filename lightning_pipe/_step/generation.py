@@ -195,7 +195,7 @@ class LockStep:
         num_microbatches = runtime.microbatches.for_batch(batch_size)
         self.caches.begin_pass()
         self.states.begin(batch_size)
-        inputs = _PassInputs(module, args, kwargs, batch_size, self.caches, self.states)
+        inputs = _PassInputs(module, args, kwargs, batch_size, self.caches, states=self.states)
         try:
             with program.holding(call, inputs, batch_size):
                 sample = program.sub_batch(torch.arange(batch_size // num_microbatches))

@@ -132,7 +132,7 @@ class StepProgram(BlockRunners):
         assert self.step is not None
         first, stop = self.stage_bounds[stage]
         given = dict(zip(self.flow.receives(stage), received))
-        run = _Window(self, first, stop, given, self.flow.sends[stage], probing, stage)
+        run = _Window(self, first, stop, given, self.flow.sends[stage], probing=probing, stage=stage)
         with self.running(run, swaps=stage):
             try:
                 call_muted(self.module, self.step, (self.sub_batch(rows), *self.step_args), self.step_kwargs)
@@ -145,7 +145,7 @@ class StepProgram(BlockRunners):
         output: a tensor, or a tuple of them); returns what the step returns."""
         outputs = output if isinstance(output, tuple) else (output,)
         n = len(self.backbone)
-        run = _Window(self, n, n, dict(zip(self.flow.answers, outputs)), (), False, None)
+        run = _Window(self, n, n, dict(zip(self.flow.answers, outputs)), (), probing=False, stage=None)
         with self.running(run, swaps="answer"), stop_iteration_fails():
             result = step(*args, **kwargs)
         if not run.after_backbone:

@@ -101,6 +101,7 @@ class PipelineRuntime:
         self,
         module: Any,
         cut: Cut,
+        *,
         schedule: ScheduleSpec,
         microbatches: MicrobatchPolicy,
         pp_group: dist.ProcessGroup,
@@ -133,7 +134,8 @@ class PipelineRuntime:
         rank = dist.get_rank(pp_group)
         bounds = {s: layout.bounds[s] for s in layout.rank_stages(rank)}
         self.program = StepProgram(
-            module, cut.backbone, cut.structure, cut.flow, bounds, cut.window_swaps(rank), device, checkpointed
+            module, cut.backbone, cut.structure, cut.flow, bounds, swaps=cut.window_swaps(rank), device=device,
+            checkpointed=checkpointed,
         )
         if sharding is None:
             stage_modules = {s: StageModule(self.program, s, cut.stage_parameters(s)) for s in bounds}
@@ -142,7 +144,7 @@ class PipelineRuntime:
                 s: StageModule(self.program, s, [], functools.partial(cut.registered_parameters, s)) for s in bounds
             }
         self.pipeline = StagePipeline(
-            stage_modules, layout, schedule, microbatches.nominal, pp_group, device, self._probe
+            stage_modules, layout, schedule, microbatches.nominal, pp_group, device=device, probe=self._probe
         )
         replicas = dp_group if dist.get_world_size(dp_group) > 1 else None
         self.overlap = self._overlap(cut, bounds, replicas, scale_group, sharding) if replicas is not None else None
@@ -356,7 +358,9 @@ class PipelineRuntime:
             for stage, (lo, hi) in bounds.items():
                 blocks = [cut.backbone.module(i) for i in range(lo, hi)]
                 units[stage] = [b for b in blocks if id(b) in unit_ids]
-        return ReductionOverlap(final, units, replicas, scale_group, self.pipeline.last_stage_rank, self.device)
+        return ReductionOverlap(
+            final, units, replicas, scale_group, self.pipeline.last_stage_rank, device=self.device
+        )
 
     @contextmanager
     def _unsharded(self) -> Iterator[None]:

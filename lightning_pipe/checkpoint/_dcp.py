@@ -193,7 +193,10 @@ def load(
     strict = module.strict_loading
     if checkpoint is None:  # a single file
         optimizers = optimizers if fitting else []
-        return _load_file(path, module, optimizers, names, weights_only, checkpoint_io, global_rank, prepare)
+        return _load_file(
+            path, module, optimizers, names, weights_only, checkpoint_io=checkpoint_io, global_rank=global_rank,
+            prepare=prepare,
+        )
     info = checkpoint.pop(INFO_KEY, None) or {}
     checkpoint.pop("pipeline_layout", None)
     if chosen is not None:

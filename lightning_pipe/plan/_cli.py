@@ -347,7 +347,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             split = measure_module_times([found.module(i) for i in range(len(found))], inputs, args.measure_device)
             given = [sum(t) for t in split]
         costs, param_bytes, acts = backbone_profile(
-            model, backbone, given, "auto", example, args.bytes_per_parameter
+            model, backbone, given, "auto", example, bytes_per_parameter=args.bytes_per_parameter
         )
         budget = parse_bytes(args.memory_budget) if args.memory_budget else None
         plans = search_plans(

@@ -274,8 +274,10 @@ def _all_plans(
                 memory = state = activation = None
                 fits = True
                 if measured:
-                    state, activation = _peak_memory(layout, run.in_flight, rows, stage_weights, stage_acts,
-                                                     optimizer_multiplier)
+                    state, activation = _peak_memory(
+                        layout, run.in_flight, rows, stage_weights, stage_acts,
+                        optimizer_multiplier=optimizer_multiplier,
+                    )
                     memory = state + activation
                     if activation_bytes is None:
                         activation = None  # not counted, rather than zero
@@ -383,7 +385,7 @@ def plan_for_module(
             ``optimizer_multiplier``, ``microbatch_overhead``, ``devices_per_node``, ``tensor_divisor``, ...).
     """
     module_costs, param_bytes, acts = backbone_profile(
-        lightning_module, backbone, costs, activation_bytes, example_input, bytes_per_parameter
+        lightning_module, backbone, costs, activation_bytes, example_input, bytes_per_parameter=bytes_per_parameter
     )
     return plan_pipeline(
         module_costs,

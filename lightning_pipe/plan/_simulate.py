@@ -129,7 +129,7 @@ def simulate(
         for r in range(p):
             while position[r] < len(queues[r]):
                 action = queues[r][position[r]]
-                ready = _ready(action, r, where, forward_done, input_done, num_stages, transfer)
+                ready = _ready(action, r, where, forward_done, input_done, num_stages=num_stages, transfer=transfer)
                 if ready is None:
                     break
                 cost = _cost(action, stages) + overhead

@@ -163,7 +163,7 @@ class TimelineRecorder:
                 yield self
             finally:
                 end = time.perf_counter_ns()
-                self._add("step", "step", None, None, self._origin, end)
+                self._add("step", "step", None, None, t0=self._origin, t1=end)
         finally:
             for owner, name, had, previous in reversed(restore):
                 if had:
@@ -193,7 +193,7 @@ class TimelineRecorder:
     def add_collective(self, name: str, start_ns: int, end_ns: int, **args: Any) -> None:
         """Record a ``collective`` event between two ``time.perf_counter_ns()`` readings (an asynchronous one: from
         its launch to its completion)."""
-        self._add("collective", name, None, None, start_ns, end_ns, **args)
+        self._add("collective", name, None, None, t0=start_ns, t1=end_ns, **args)
 
     # ------------------------------------------------------------------ wrappers
     def _add(self, cat: str, name: str, stage: Optional[int], mb: Optional[int], t0: int, t1: int, **args: Any) -> None:
@@ -222,12 +222,12 @@ class TimelineRecorder:
                 sync()
             t1 = time.perf_counter_ns()
             mb = int(mb) if mb is not None else None
-            self._add(cat, f"{_LETTER[cat]}{mb} s{stage}", stage, mb, t0, t1)
+            self._add(cat, f"{_LETTER[cat]}{mb} s{stage}", stage, mb, t0=t0, t1=t1)
 
     def _wrap_forward(self, fn: Callable, stage: int) -> Callable:
         def forward_one_chunk(*args: Any, **kwargs: Any) -> Any:
             mb = _arg(args, kwargs, 0, "fwd_chunk_id")
-            return self._timed_compute("forward", stage, mb, fn, args, kwargs)
+            return self._timed_compute("forward", stage, mb, fn, args=args, kwargs=kwargs)
 
         return forward_one_chunk
 
@@ -235,14 +235,15 @@ class TimelineRecorder:
         def backward_one_chunk(*args: Any, **kwargs: Any) -> Any:
             mb = _arg(args, kwargs, 0, "bwd_chunk_id")
             full = _arg(args, kwargs, 2, "full_backward", True)
-            return self._timed_compute("backward" if full else "backward_input", stage, mb, fn, args, kwargs)
+            cat = "backward" if full else "backward_input"
+            return self._timed_compute(cat, stage, mb, fn, args=args, kwargs=kwargs)
 
         return backward_one_chunk
 
     def _wrap_weight(self, fn: Callable, stage: int) -> Callable:
         def backward_weight_one_chunk(*args: Any, **kwargs: Any) -> Any:
             mb = _arg(args, kwargs, 0, "bwd_chunk_id")
-            return self._timed_compute("backward_weight", stage, mb, fn, args, kwargs)
+            return self._timed_compute("backward_weight", stage, mb, fn, args=args, kwargs=kwargs)
 
         return backward_weight_one_chunk
 
@@ -252,7 +253,7 @@ class TimelineRecorder:
             if not getattr(stage, "is_last", False):
                 return fn(*args, **kwargs)
             mb = _arg(args, kwargs, 3, "mb_index")
-            return self._timed_compute("loss", int(stage.stage_index), mb, fn, args, kwargs)
+            return self._timed_compute("loss", int(stage.stage_index), mb, fn, args=args, kwargs=kwargs)
 
         return maybe_compute_loss
 
@@ -349,7 +350,7 @@ class TimelineRecorder:
             if "bytes" in label:
                 sizes[f"{label['dir']}_bytes"] = sizes.get(f"{label['dir']}_bytes", 0) + label["bytes"]
         ops = [_describe(label) for label in labels]
-        self._add("comm", f"{kind} {phase}", stage, mb, t0, t1, ops=ops, **(sizes if phase == "post" else {}))
+        self._add("comm", f"{kind} {phase}", stage, mb, t0=t0, t1=t1, ops=ops, **(sizes if phase == "post" else {}))
 
 
 def _describe(label: dict[str, Any]) -> str:
