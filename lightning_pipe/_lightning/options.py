@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal, Optional, Union
 
-from lightning_pipe._model.compiled import compiled_zero_bubble
+from lightning_pipe._compiled import compiled_zero_bubble
 from lightning_pipe.partition import BALANCE_MODES
 from lightning_pipe.schedules import ScheduleSpec, schedule_spec
 from lightning_pipe.timeline import TimelineOptions

@@ -32,9 +32,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from lightning_pipe._compat.torch import ModuleSnapshot
+from lightning_pipe._compiled import compiled
 from lightning_pipe._ghost import Ghost
 from lightning_pipe._lightning.parallel_dims import ParallelDims
-from lightning_pipe._model.compiled import compiled
 from lightning_pipe._model.configure_model import ConfigureModelCalls, sharding_of
 from lightning_pipe._model.cut import Cut
 from lightning_pipe._model.materialize import materialize_local

@@ -18,10 +18,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torchmetrics import Metric
 
+from lightning_pipe._compiled import refuse_compiled_zero_bubble
 from lightning_pipe._errors import BackboneCallError
 from lightning_pipe._model.backbone import consecutive_candidates, find_backbone
 from lightning_pipe._model.calls import Structure
-from lightning_pipe._model.compiled import refuse_compiled_zero_bubble
 from lightning_pipe._model.cut import Cut
 from lightning_pipe._model.structure import analyze
 from lightning_pipe.partition import make_layout

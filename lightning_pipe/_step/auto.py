@@ -39,7 +39,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from lightning_pipe._model.compiled import compiled
+from lightning_pipe._compiled import compiled
 from lightning_pipe._step.microbatches import default_num_microbatches, divisors, largest_divisor_at_most
 from lightning_pipe.partition import StageLayout
 from lightning_pipe.schedules import SCHEDULE_NAMES, schedule_spec
