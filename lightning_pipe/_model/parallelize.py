@@ -175,7 +175,7 @@ def _then_compiled(
 def local_blocks(cut: Cut, pipeline_rank: int) -> list[nn.Module]:
     """The blocks of this rank's stages, in order."""
     layout = cut.layout
-    return [cut.backbone.module(i) for s in layout.rank_stages(pipeline_rank) for i in range(*layout.bounds[s])]
+    return [cut.backbone.module(i) for i in layout.rank_modules(pipeline_rank)]
 
 
 def _tensor_parallel_parts(

@@ -150,7 +150,7 @@ def shard_stage(
     blocks, ``parallelize_outside`` for the modules outside the backbone) and ``fully_shard`` this rank's units one by
     one, then the outside unit (see [Note: sharded stages]). Updates ``cut`` to the sharded parameters."""
     backbone, layout = cut.backbone, cut.layout
-    indices = [i for s in layout.rank_stages(pipeline_rank) for i in range(*layout.bounds[s])]
+    indices = layout.rank_modules(pipeline_rank)
     materializer = Materializer(module, backbone, device)
     local = {id(r.tensor) for r in cut.held(pipeline_rank) if r.kind == "parameter"}
     block_ids = {id(backbone.module(i)) for i in range(len(backbone))}
