@@ -235,6 +235,10 @@ class BlockRunners:
 
     def batch_size_of(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> int:
         """The batch size of a step's call: the first dimension of the first block's hidden state."""
+        return self.hidden_shape_of(step, *args, **kwargs)[0]
+
+    def hidden_shape_of(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[int, ...]:
+        """The shape of the first block's hidden state in a step's call (found on ghosts)."""
         with self.running(_Capture(self), swaps="answer") as run:
             try:
                 call_muted(self.module, step, args, kwargs)
@@ -247,7 +251,7 @@ class BlockRunners:
                 "The first backbone block was called without a batched tensor as its hidden state. `PipelineStrategy`"
                 " splits it along dimension 0 into microbatches: pass the hidden state as a tensor, batch first."
             )
-        return int(hidden.shape[0])
+        return tuple(int(n) for n in hidden.shape)
 
     def hidden_of(self, index: int, out: Any) -> Any:
         """The hidden state in what block ``index`` returned."""

@@ -103,19 +103,25 @@ class LockStep:
 
     def splits_by_rows(self, step: Callable[..., Any], batch_size: int, num_microbatches: int, *args: Any,
                        **kwargs: Any) -> bool:
-        """Whether the single-pass evaluation may run ``step``, whose first model call has ``batch_size`` rows: the
-        first microbatch's rows of the batch give that call's first ``batch_size // num_microbatches`` rows.
+        """Whether the single-pass evaluation may run ``step``, whose first model call has ``batch_size`` rows: each
+        microbatch's rows of the batch give that call's rows ``start:stop``, of the same shape as the whole call's.
 
         Beam search does not: ``generate(num_beams=2)`` makes 16 rows of 8 prompts before its first model call, so
-        no tensor of the batch is cut and every microbatch would run all of it. Such a step runs in lock step, which
-        cuts the calls' own inputs. Checked on ghosts (the code up to the first block) once per step, on every rank.
+        no tensor of the batch is cut and every microbatch would run all of it. Nor does code that pads to the
+        longest of the rows it is given (left-padded prompts made in the step): a microbatch's call is narrower than
+        the whole batch's, and the code after the backbone, which runs on the whole batch, would meet the
+        microbatches' outputs. Such a step runs in lock step, which cuts the calls' own inputs. Checked on ghosts (the
+        code up to the first block) once per step, on every rank.
         """
         if num_microbatches == 1 or _name(step) in self._rows_checked:
             return True
+        program = self.runtime.program
         rows = batch_size // num_microbatches
-        first = slice_batch(args[0], batch_size, 0, rows)
-        if self.runtime.program.batch_size_of(step, first, *args[1:], **kwargs) != rows:
-            return False
+        whole = program.hidden_shape_of(step, *args, **kwargs)
+        for start in range(0, batch_size, rows):
+            part = slice_batch(args[0], batch_size, start, start + rows)
+            if program.hidden_shape_of(step, part, *args[1:], **kwargs) != (rows, *whole[1:]):
+                return False
         self._rows_checked.add(_name(step))
         return True
 
