@@ -237,6 +237,12 @@ PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     ("torch.utils._pytree", "tree_any"),  # _ghost.py
     ("torch.utils._pytree", "tree_map"),  # _ghost.py
     ("torch.utils._pytree", "tree_leaves"),  # _ghost.py, _model/structure.py, _step/pipeline.py
+    ("torch.utils._pytree", "tree_flatten"),  # _step/program.py, _step/generation.py
+    ("torch.utils._pytree", "tree_unflatten"),  # _step/program.py, _step/generation.py
+    ("torch.nn.modules.batchnorm", "_BatchNorm"),  # _step/auto.py: BatchNorm fixes the microbatch count
+    ("torch.distributed.algorithms._checkpoint.checkpoint_wrapper", "CheckpointWrapper._checkpoint_wrapped_module"),
+    ("lightning.pytorch.callbacks", "ModelSummary._max_depth"),  # _lightning/summary.py
+    ("lightning.pytorch.utilities.model_summary", "ModelSummary._layer_summary"),  # _lightning/summary.py
     ("torch", "Tensor._make_wrapper_subclass"),  # _ghost.py
     ("torch._C", "_disabled_torch_function_impl"),  # _ghost.py
     ("torch", "ops.aten._local_scalar_dense.default"),  # _ghost.py
