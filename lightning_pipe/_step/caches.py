@@ -18,16 +18,20 @@ entry in it. Under the pipeline a pass runs microbatch by microbatch, and each s
   probed for real: tensor-parallel stages), so it changes nothing;
 - at the end of the step everything is dropped (:meth:`PassCaches.release`): the memory goes with the step.
 
-What is split is Hugging Face's ``Cache`` with dynamic layers (the default of ``generate()``, sliding windows
-included). A cache of another kind (static, quantised, offloaded, encoder-decoder, linear attention) is refused at its
-first pass, naming the fix; a cache the loop filled before the pipeline saw it too.
+What is split is Hugging Face's ``Cache`` with dynamic layers (the default of ``generate()``): full attention,
+sliding windows, an indexer's keys (DeepSeek V3.2), compressor buffers (DeepSeek V4), the conv and recurrent states of
+linear attention and state-space layers (Mamba), and the hybrids of those. Every tensor a layer holds is a state per
+row (:func:`_row_slots`); counters (lengths, flags) are the same for every row. A microbatch's stage run sees the
+layers of its window as they are (they change only when they run) and every other layer as it was when the pass
+started. A cache of another kind (static, quantised, offloaded, encoder-decoder) is refused at its first pass, naming
+the fix; a cache the loop filled before the pipeline saw it too.
 """
 
 from __future__ import annotations
 
 import copy
 import weakref
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor, nn
@@ -35,9 +39,14 @@ from torch import Tensor, nn
 from lightning_pipe._errors import BackboneCallError
 from lightning_pipe._ghost import Ghost, ghost_of
 
-#: The layer kinds of Hugging Face's caches that split by rows: keys and values ``[batch, heads, length, dim]`` and
-#: counters that are the same for every row.
-_SPLITTABLE = ("DynamicLayer", "DynamicSlidingWindowLayer")
+#: The layer kinds of Hugging Face's caches that split by rows (a layer of a subclass of one of them too, unless it is
+#: also one of :data:`_NOT_SPLITTABLE`): tensors per row (keys and values ``[batch, heads, length, dim]``, conv and
+#: recurrent states ``[batch, ...]``) and counters that are the same for every row.
+_SPLITTABLE = ("DynamicLayer", "LinearAttentionLayer")
+#: Layer kinds whose tensors are preallocated or packed: a microbatch cannot hold its rows of them.
+_NOT_SPLITTABLE = ("StaticLayer", "BaseQuantizedLayer")
+#: A layer's per-row tensors whose batch dimension is not the first (``[position dims, batch, length]``).
+_BATCH_DIM = {"indexer_position_ids": 1}
 #: What a decoding loop may do to a cache besides passing it to the model; reordering is handled, the others refused.
 _REFUSED = ("crop", "batch_repeat_interleave", "batch_select_indices", "reset", "offload", "prefetch")
 
@@ -51,8 +60,9 @@ def is_cache(value: Any) -> bool:
 class PassCaches:
     """The microbatch caches of one step's generation passes on this rank (see [Note: caches per microbatch])."""
 
-    def __init__(self, num_layers: int) -> None:
+    def __init__(self, num_layers: int, window: Callable[[], Optional[range]] = lambda: None) -> None:
         self.num_layers = num_layers  # entries a cache made on first use gets up front
+        self.window = window  # the layers the stage run in progress runs (None: not known)
         self._before: dict[int, list[Any]] = {}  # id(microbatch cache) -> its entries as the pass started
         self._subs: dict[int, dict[tuple[int, int], Any]] = {}  # id(user's cache) -> rows -> that microbatch's cache
         self._users: dict[int, Any] = {}  # id -> the user's cache (kept alive while its microbatch caches are)
@@ -84,7 +94,7 @@ class PassCaches:
                 while len(sub.layers) < self.num_layers:
                     sub.layers.append(sub.layer_class_to_replicate())
             self._before[id(sub)] = [_ghost_layer(layer) for layer in sub.layers]
-        return _pass_view(sub, self._before[id(sub)])
+        return _pass_view(sub, self._before[id(sub)], self.window())
 
     def _throwaway(self, cache: Any) -> Any:
         twin = copy.deepcopy(cache)
@@ -126,11 +136,11 @@ class PassCaches:
             layers = [c.layers[index] for c in caches]
             if not _holds(layers[0]):
                 continue
-            for name in ("keys", "values"):
-                whole = torch.cat([getattr(layer, name) for layer in layers])
-                whole = whole.index_select(0, beam_idx.to(whole.device))
-                for layer, part in zip(layers, whole.split(sizes)):
-                    setattr(layer, name, part)
+            for name, key, dim in _row_slots(layers[0]):
+                whole = torch.cat([_slot(layer, name, key) for layer in layers], dim=dim)
+                whole = whole.index_select(dim, beam_idx.to(whole.device))
+                for layer, part in zip(layers, whole.split(sizes, dim=dim)):
+                    _set_slot(layer, name, key, part)
         self.mirror()
 
     def release(self) -> None:
@@ -208,14 +218,19 @@ def _new_buffers(blocks: list[nn.Module], known: dict[int, Any]) -> list[tuple[d
     return found
 
 
-def _pass_view(cache: Any, before: list[Any]) -> Any:
-    """A microbatch cache as one stage run sees it during a pass: a copy whose entries read as the pass started and
-    whose ``update`` goes to the cache's own entries."""
+def _pass_view(cache: Any, before: list[Any], window: Optional[range]) -> Any:
+    """A microbatch cache as one stage run sees it during a pass: the layers of its ``window`` as they are (nothing
+    else changes them in the pass), and every other layer as the pass started, whose ``update`` goes to the cache's
+    own layer (every layer so, when the window is not known)."""
     view = copy.copy(cache)
     view.layers = []
-    for now, then in zip(cache.layers, before):
+    for index, (now, then) in enumerate(zip(cache.layers, before)):
+        if window is not None and index in window:
+            view.layers.append(now)
+            continue
         entry = copy.copy(then)
-        entry.update = now.update
+        if hasattr(now, "update"):  # a linear attention layer has none
+            entry.update = now.update
         view.layers.append(entry)
     return view
 
@@ -233,37 +248,81 @@ def _refused(kind: str, name: str) -> Any:
 
 def _check_splittable(cache: Any) -> None:
     layers = getattr(cache, "layers", None)
-    kinds = sorted({type(layer).__name__ for layer in layers or ()} - set(_SPLITTABLE))
+    kinds = sorted({type(layer).__name__ for layer in layers or () if not _splittable(layer)})
     if layers is None or kinds or getattr(cache, "offloading", False):
         what = f"layers of kind {', '.join(kinds)}" if kinds else "no per-layer entries the pipeline can split"
         if getattr(cache, "offloading", False):
             what = "offloading"
         raise BackboneCallError(
             f"A generation pass got a {type(cache).__name__} with {what}. `PipelineStrategy` splits a key-value cache"
-            f" over microbatches and stages when its layers are {' or '.join(_SPLITTABLE)} (a `DynamicCache`, the"
-            " default of `generate()`): pass `cache_implementation=\"dynamic\"` to `generate()`, or leave the cache"
-            " to it."
+            f" over microbatches and stages when its layers are {' or '.join(_SPLITTABLE)} or kinds of them (a"
+            " `DynamicCache`, the default of `generate()`): pass `cache_implementation=\"dynamic\"` to `generate()`,"
+            " or leave the cache to it."
         )
 
 
+def _splittable(layer: Any) -> bool:
+    bases = {cls.__name__ for cls in type(layer).__mro__}
+    return bool(bases & set(_SPLITTABLE)) and not bases & set(_NOT_SPLITTABLE)
+
+
+def _row_slots(layer: Any) -> list[tuple[str, Any, int]]:
+    """``(attribute, key or None, batch dimension)`` of each tensor per row a cache layer holds: a tensor attribute
+    (keys, values, an indexer's keys) or a tensor in a dict attribute (linear attention's conv and recurrent states,
+    DeepSeek V4's compressor buffers). A tensor of no more dimensions than its batch dimension is a counter."""
+    slots = []
+    for name, value in vars(layer).items():
+        dim = _BATCH_DIM.get(name, 0)
+        if isinstance(value, Tensor):
+            if value.dim() > dim:
+                slots.append((name, None, dim))
+        elif isinstance(value, dict):
+            slots.extend((name, key, dim) for key, v in value.items() if isinstance(v, Tensor) and v.dim() > dim)
+    return slots
+
+
+def _slot(layer: Any, name: str, key: Any) -> Tensor:
+    value = getattr(layer, name)
+    return value if key is None else value[key]
+
+
+def _set_slot(layer: Any, name: str, key: Any, value: Tensor) -> None:
+    if key is None:
+        setattr(layer, name, value)
+    else:
+        getattr(layer, name)[key] = value
+
+
 def _filled(cache: Any) -> bool:
-    return any(_holds(layer) or isinstance(getattr(layer, "keys", None), Ghost) for layer in cache.layers)
+    return any(
+        isinstance(_slot(layer, name, key), Ghost) or _slot(layer, name, key).numel() > 0
+        for layer in cache.layers
+        for name, key, _ in _row_slots(layer)
+    )
 
 
 def _holds(layer: Any) -> bool:
-    """Whether a cache layer holds real keys (this rank runs it)."""
-    keys = getattr(layer, "keys", None)
-    return isinstance(keys, Tensor) and not isinstance(keys, Ghost) and keys.numel() > 0
+    """Whether a cache layer holds real state (this rank runs it)."""
+    for name, key, _ in _row_slots(layer):
+        value = _slot(layer, name, key)
+        if not isinstance(value, Ghost) and value.numel() > 0:
+            return True
+    return False
 
 
 def _ghost_layer(layer: Any, rows: Optional[int] = None) -> Any:
-    """A shallow copy of ``layer`` whose keys and values are ghosts (of ``rows`` rows when given)."""
+    """A shallow copy of ``layer`` with dicts of its own (its flags and counters as they are now) whose tensors per
+    row are ghosts (of ``rows`` rows when given)."""
     twin = copy.copy(layer)
-    for name in ("keys", "values"):
-        value = getattr(layer, name, None)
-        if isinstance(value, Tensor):
-            shape = (rows, *value.shape[1:]) if rows is not None and value.dim() > 0 else tuple(value.shape)
-            setattr(twin, name, Ghost(torch.empty(shape, dtype=value.dtype, device="meta"), value.device))
+    for name, value in vars(layer).items():
+        if isinstance(value, dict):
+            setattr(twin, name, dict(value))
+    for name, key, dim in _row_slots(layer):
+        value = _slot(layer, name, key)
+        shape = list(value.shape)
+        if rows is not None and (value.numel() > 0 or value.dim() > dim + 1):  # not an empty placeholder
+            shape[dim] = rows
+        _set_slot(twin, name, key, Ghost(torch.empty(shape, dtype=value.dtype, device="meta"), value.device))
     return twin
 
 

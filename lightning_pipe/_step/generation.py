@@ -83,7 +83,7 @@ class LockStep:
         self.steps: set[str] = set()  # names of the steps known to generate
         self._rows_checked: set[str] = set()  # steps whose calls' rows are the batch's (`splits_by_rows`)
         backbone = runtime.cut.backbone
-        self.caches = PassCaches(len(backbone))
+        self.caches = PassCaches(len(backbone), window=self._window)
         local = {i for first, stop in runtime.program.stage_bounds.values() for i in range(first, stop)}
         self.states = BlockStates(
             [backbone.module(i) for i in sorted(local)],
@@ -94,6 +94,12 @@ class LockStep:
         self._in_pass = False
         prefixes = {".".join(p.split(".")[:i]) for p in backbone.paths for i in range(len(p.split(".")))}
         self._path_modules = [runtime.module.get_submodule(p) for p in sorted(prefixes, key=len)]
+
+    def _window(self) -> Optional[range]:
+        """The blocks the stage run in progress runs (a microbatch's cache gives it their cache layers as they are)."""
+        run = self.runtime.program.current
+        first, stop = getattr(run, "first", None), getattr(run, "stop", None)
+        return range(first, stop) if isinstance(first, int) and isinstance(stop, int) else None
 
     def generates(self, step: Callable[..., Any]) -> bool:
         return _name(step) in self.steps
