@@ -145,7 +145,7 @@ def run_phase(phase: dict[str, Any], devices: int, out: Optional[Path]) -> dict[
     adam_steps = sorted({int(s["step"]) for s in optimizer.state.values() if "step" in s}) if optimizer else []
     result = {
         "steps": recorder.steps,
-        "state_dict": plain(model.state_dict()),
+        "state_dict": plain(model.state_dict()) if error is None else {},  # a failed call leaves the module split
         "averaged": averaged,
         "adam_steps": adam_steps,
         "lr": model.hparams.lr,
