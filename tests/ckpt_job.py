@@ -30,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import models
+from helpers import state_after_call
 
 from lightning_pipe import PipelineStrategy
 
@@ -128,7 +129,7 @@ def run_phase(phase: dict[str, Any], devices: int, out: Optional[Path]) -> dict[
         "steps": recorder.steps,
         "start_state": recorder.start_state,
         "start_step": getattr(recorder, "start_step", None),
-        "state_dict": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
+        "state_dict": {k: v.detach().cpu().clone() for k, v in state_after_call(model).items()},
         "global_step": trainer.global_step,
         "error": error,
         "listings": listings,

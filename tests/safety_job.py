@@ -51,6 +51,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import models
+from helpers import state_after_call
 
 from lightning_pipe import PipelineStrategy
 from lightning_pipe._compat import torch as torch_compat
@@ -282,7 +283,7 @@ def run_phase(phase: dict[str, Any], devices: int, rank: int, out: Path) -> None
         "start_step": recorder.start_step,
         "start_state": recorder.start_state,
         "global_step": trainer.global_step,
-        "state_dict": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
+        "state_dict": {k: v.detach().cpu().clone() for k, v in state_after_call(model).items()},
         "saves": saves,
     }
     out.mkdir(parents=True, exist_ok=True)

@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import zoo
-from helpers import plain
+from helpers import plain, state_after_call
 
 from lightning_pipe import PipelineStrategy
 
@@ -122,7 +122,7 @@ def run_phase(phase: dict[str, Any], devices: int) -> dict[str, Any]:
     summaries = [cb for cb in trainer.callbacks if isinstance(cb, ModelSummary)]
     if summaries:  # what the summary reports as the model's size (computed on every rank alike)
         result["summary_total"] = summaries[0]._summary(trainer, model).total_parameters
-    state = model.state_dict(keep_vars=True)
+    state = state_after_call(model, keep_vars=True)
     tied = {}
     for key, value in state.items():
         for other, value2 in state.items():
