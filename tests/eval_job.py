@@ -153,11 +153,13 @@ class Recorder(L.Callback):
         self.train_losses: list[float] = []
         self.modes: dict[str, set] = {}
         self.fn = ""
+        self.held_keys: set[str] = set()
 
     def _probes(self, pl_module: L.LightningModule) -> list[ModeProbe]:
         return [m for m in pl_module.modules() if isinstance(m, ModeProbe)]
 
     def _collect(self, pl_module: L.LightningModule, phase: str) -> None:
+        self.held_keys.update(pl_module.state_dict())  # within the call: this rank's stage (whole after the call)
         for probe in self._probes(pl_module):
             if probe.calls:  # the ranks that run the probe's stage (every rank has the module object)
                 self.modes.setdefault(phase, set()).update(probe.calls)
@@ -271,7 +273,7 @@ def run(spec: dict[str, Any], out_dir: Path) -> None:
         "train_losses": recorder.train_losses,
         "modes": recorder.modes,
         "fake_calls": sum(m.fake_calls for m in model.modules() if isinstance(m, ModeProbe)),
-        "initial_bn": {k: v for k, v in initial_bn.items() if k in model.state_dict()},
+        "initial_bn": {k: v for k, v in initial_bn.items() if k in recorder.held_keys},
         "bn_after": bn_after,
         "state_dict": {k: v.detach().cpu() for k, v in model.state_dict().items()},
         "current_epoch": trainer.current_epoch,
