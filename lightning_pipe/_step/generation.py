@@ -35,7 +35,7 @@ import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -47,9 +47,6 @@ from lightning_pipe._errors import BackboneCallError
 from lightning_pipe._ghost import Ghost, GhostValueError, contains_ghost
 from lightning_pipe._model.calls import slice_batch
 from lightning_pipe._step.caches import BlockStates, PassCaches, is_cache
-
-if TYPE_CHECKING:
-    from lightning_pipe._step.runtime import PipelineRuntime
 
 #: Keyword arguments of a pass that are never split by rows, even when their length equals the batch size (a prompt
 #: of as many tokens as there are prompts): Hugging Face's and litgpt's positions of the new tokens.
@@ -78,7 +75,7 @@ class StepFailed:
 class LockStep:
     """The lock-step evaluation steps of one runtime (see [Note: lock step])."""
 
-    def __init__(self, runtime: PipelineRuntime) -> None:
+    def __init__(self, runtime: Any) -> None:  # the PipelineRuntime (which imports this module)
         self.runtime = runtime
         self.steps: set[str] = set()  # names of the steps known to generate
         self._rows_checked: set[str] = set()  # steps whose calls' rows are the batch's (`splits_by_rows`)
@@ -94,6 +91,12 @@ class LockStep:
         self._in_pass = False
         prefixes = {".".join(p.split(".")[:i]) for p in backbone.paths for i in range(len(p.split(".")))}
         self._path_modules = [runtime.module.get_submodule(p) for p in sorted(prefixes, key=len)]
+        #: the path modules that hold only some of the backbone's containers (an encoder-decoder's encoder), by id
+        self._partial = {
+            id(runtime.module.get_submodule(p)): (p, [c for c in backbone.paths if c.startswith(p + ".")])
+            for p in prefixes
+            if p and not all(c.startswith(p + ".") for c in backbone.paths)
+        }
 
     def _window(self) -> Optional[range]:
         """The blocks the stage run in progress runs (a microbatch's cache gives it their cache layers as they are)."""
@@ -188,6 +191,7 @@ class LockStep:
         def intercepted(*args: Any, **kwargs: Any) -> Any:
             if self._in_pass or self.runtime.program.current is not None:
                 return forward(*args, **kwargs)  # inside a pass: the stage's own run
+            self._refuse_partial(module)
             self._in_pass = True
             self.passes += 1
             try:
@@ -196,6 +200,25 @@ class LockStep:
                 self._in_pass = False
 
         return intercepted
+
+    def _refuse_partial(self, module: nn.Module) -> None:
+        """A call of a module that holds only some of the backbone's containers (``generate()`` of an
+        encoder-decoder model runs the encoder once, then the decoder per token) would run a pass of some stages
+        only: refused, on every rank alike (each runs the same loop), before anything is sent."""
+        partial = self._partial.get(id(module))
+        if partial is None:
+            return
+        path, held = partial
+        others = [c for c in self.runtime.cut.backbone.paths if c not in held]
+        raise BackboneCallError(
+            f"A step that generates called `{path}` on its own, which runs the backbone blocks of"
+            f" {', '.join(f'`{c}`' for c in held)} but not those of {', '.join(f'`{c}`' for c in others)}"
+            " (`generate()` of an encoder-decoder model runs the encoder once, then the decoder per token). Under"
+            " `PipelineStrategy` every model call of a decoding loop runs the whole pipeline, each block once."
+            " Generate with this model without `PipelineStrategy` (its loss, teacher-forced, evaluates under it),"
+            " or decode with a loop that calls the whole model per token (`self.model(input_ids=...,"
+            " attention_mask=..., decoder_input_ids=..., use_cache=False)`)."
+        )
 
     def _pass(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
         """One call of ``module`` through the pipeline; returns the last stage's result on every rank."""
@@ -239,13 +262,13 @@ class LockStep:
         if runtime.pipeline.has_last_stage:
             header[0], tensors = _describe(answer, input_leaves)
         if runtime.layout.pipeline_size == 1:
-            return None if isinstance(answer, _Failed) else _rebuild(*header[0], tensors, input_leaves)
+            return None if isinstance(answer, _Failed) else _rebuild(*header[0], tensors, input_leaves, device)
         what = f"the model's output from the last stage (pipeline rank {src}), in a decoding step"
         with _watchdog.waiting(lambda: what):
             dist.broadcast_object_list(header, group_src=src, group=group)
             spec, kinds = header[0]
             if isinstance(spec, _Failed):  # the last stage raises its own error, the others this one
-                return None if runtime.pipeline.has_last_stage else _rebuild(spec, kinds, [], input_leaves)
+                return None if runtime.pipeline.has_last_stage else _rebuild(spec, kinds, [], input_leaves, device)
             received = []
             for kind in kinds:
                 if kind[0] != "tensor":
@@ -256,7 +279,7 @@ class LockStep:
                     buffer = torch.empty(kind[1], dtype=kind[2], device=device)
                 dist.broadcast(buffer, group_src=src, group=group)
                 received.append(buffer)
-        return _rebuild(spec, kinds, received, input_leaves)
+        return _rebuild(spec, kinds, received, input_leaves, device)
 
     def _sync_random_state(self) -> None:
         """Every rank of the pipeline takes the last stage's random state (sampling draws the same tokens)."""
@@ -359,8 +382,9 @@ def _describe(answer: Any, input_leaves: list[Any]) -> tuple[tuple[Any, list[tup
     kinds: list[tuple] = []
     tensors: list[Tensor] = []
     for leaf in leaves:
-        if isinstance(leaf, Ghost):
-            return (_Failed(f"the model call returns {leaf!r}, which the last stage does not compute"), []), []
+        if isinstance(leaf, Ghost):  # a part of the output the last stage does not compute (an encoder's output):
+            kinds.append(("ghost", tuple(leaf.shape), leaf.dtype))  # a ghost on every rank, that raises when read
+            continue
         if isinstance(leaf, Tensor):
             tensors.append(leaf.detach().contiguous())
             kinds.append(("tensor", tuple(leaf.shape), leaf.dtype))
@@ -381,7 +405,8 @@ def _describe(answer: Any, input_leaves: list[Any]) -> tuple[tuple[Any, list[tup
     return (spec, kinds), tensors
 
 
-def _rebuild(spec: Any, kinds: list[tuple], tensors: list[Tensor], input_leaves: list[Any]) -> Any:
+def _rebuild(spec: Any, kinds: list[tuple], tensors: list[Tensor], input_leaves: list[Any],
+             device: torch.device) -> Any:
     if isinstance(spec, _Failed):
         raise BackboneCallError(f"The last pipeline stage failed in a generation pass: {spec.message}")
     leaves, taken = [], iter(tensors)
@@ -390,6 +415,8 @@ def _rebuild(spec: Any, kinds: list[tuple], tensors: list[Tensor], input_leaves:
             leaves.append(next(taken))
         elif kind[0] == "input":
             leaves.append(input_leaves[kind[1]])
+        elif kind[0] == "ghost":
+            leaves.append(Ghost(torch.empty(kind[1], dtype=kind[2], device="meta"), device, "the last stage"))
         elif kind[0] == "unavailable":
             leaves.append(_Unavailable(kind[1]))
         else:
