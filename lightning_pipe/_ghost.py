@@ -113,7 +113,7 @@ class Ghost(torch.Tensor):
                 return value.to("meta")  # a copy: the real tensor never changes
             return value
 
-        out = func(*tree_map(to_meta, args), **tree_map(to_meta, kwargs))
+        out = _META_STAND_INS.get(func, func)(*tree_map(to_meta, args), **tree_map(to_meta, kwargs))
         origin = first._origin
 
         def to_ghost(value: Any) -> Any:
@@ -126,6 +126,19 @@ class Ghost(torch.Tensor):
         if observer is not None:
             observer(func, ghosts, result)
         return result
+
+
+def _grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """``aten._grouped_mm`` on the meta device for any dtype: torch's meta kernel checks CUDA's rule (bf16 inputs and
+    output only), while the CPU kernel also multiplies fp32 (Hugging Face's MoE experts on CPU). The shape is the same
+    for every dtype: the kernel's own shape rule on bf16 stand-ins, in the dtype asked for or the inputs'."""
+    out_dtype = kwargs.pop("out_dtype", None) or mat_a.dtype
+    out = torch.ops.aten._grouped_mm.default(mat_a.to(torch.bfloat16), mat_b.to(torch.bfloat16), *args, **kwargs)
+    return torch.empty(out.shape, dtype=out_dtype, device="meta")
+
+
+#: Meta-device stand-ins for operations whose meta kernel refuses what the real device computes.
+_META_STAND_INS: dict[Any, Callable[..., Any]] = {torch.ops.aten._grouped_mm.default: _grouped_mm}
 
 
 def _leaves(tree: Any) -> list:

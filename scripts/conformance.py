@@ -58,7 +58,8 @@ CLASSES = ("exact", "refused", "defect", "not built", "not run")
 #: the CI sample (tests/test_conformance.py): one shared launch
 SAMPLE = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "GemmaForCausalLM", "PhiForCausalLM",
           "FalconForCausalLM", "OPTForCausalLM", "MixtralForCausalLM", "SD3Transformer2DModel",
-          "FluxTransformer2DModel", "GPT2LMHeadModel", "FalconMambaForCausalLM")
+          "FluxTransformer2DModel", "HYV4ForCausalLM", "SkyReelsV2Transformer3DModel", "GPT2LMHeadModel",
+          "FalconMambaForCausalLM")
 ORDER = ("diffusers", "causal-lm", "seq2seq", "image-text-to-text")
 
 

@@ -256,7 +256,6 @@ class ReturnsNone(Net):
         (SharedMemory, {}, ValueError, r"`embed.weight` and `head.weight` are different parameters over the same"),
         (Stashes, {}, BackboneCallError, r"output of `blocks.0.probe`, a module inside block `blocks.0`, is used after"
          r" that block.*Return it from the block"),
-        (TwoStacks, {}, ValueError, r"cannot choose: 2 containers.*'blocks' \(4 x NanoBlock\), 'decoder'"),
         (Net, {"backbone": ["blocks", "blocks"]}, ValueError, r"`blocks` is inside `blocks` \(or the same"),
     ],
 )
@@ -483,3 +482,51 @@ def test_auto_takes_containers_of_mixed_block_classes_and_most_of_the_parameters
     ))
     with pytest.raises(ValueError, match="found no container of repeated blocks"):
         find_backbone(plain, "auto")
+
+
+class _TextOnlyRows(L.LightningModule):
+    """A vision-language model trained on text-only rows (GotOcr2 in the conformance sweep): its vision layers are
+    longer and heavier than its language layers, but the step never runs them."""
+
+    def __init__(self, with_images: bool = False) -> None:
+        super().__init__()
+        self.vision = nn.ModuleList([_SelfLayer(16) for _ in range(6)])
+        self.project = nn.Linear(16, 4)
+        self.layers = nn.ModuleList([_SelfLayer(4) for _ in range(4)])
+        self.with_images = with_images
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, images = batch
+        if self.with_images:
+            v = images
+            for layer in self.vision:
+                v = layer(v)
+            x = x + self.project(v)
+        for layer in self.layers:
+            x = layer(x)
+        return x.pow(2).mean()
+
+
+def test_auto_chooses_among_the_containers_the_step_runs(caplog):
+    """`backbone="auto"` considers only the candidates the step runs, and logs the choice and what it left out; with
+    images, the step runs both, one after the other, and auto pipelines both as before."""
+    from lightning_pipe._model.split import _backbone_of
+
+    batch = (torch.randn(2, 4), torch.randn(2, 16))
+    model = _TextOnlyRows()
+    with caplog.at_level("INFO"):
+        backbone, structure = _backbone_of(model, "auto", model.training_step, (batch, 0), torch.device("cpu"), True)
+    assert backbone.paths == ("layers",) and len(structure.hidden_at) == 4
+    assert "pipelining `layers` (4 x _SelfLayer)" in caplog.text
+    assert "(the step does not run `vision`)" in caplog.text
+
+    caplog.clear()
+    stacks = TwoStacks()  # two equal containers, but the step runs one: no tie to refuse
+    with caplog.at_level("INFO"):
+        backbone, _ = _backbone_of(stacks, "auto", stacks.training_step, (next(iter(zoo.loader("tokens", n=4,
+                                   batch_size=4))), 0), torch.device("cpu"), True)
+    assert backbone.paths == ("blocks",) and "(the step does not run `decoder`)" in caplog.text
+
+    model = _TextOnlyRows(with_images=True)
+    backbone, _ = _backbone_of(model, "auto", model.training_step, (batch, 0), torch.device("cpu"), True)
+    assert backbone.paths == ("vision", "layers")

@@ -220,6 +220,69 @@ def test_the_answer_carries_gradients_to_the_stage_output_and_the_head():
     assert model.embed.weight.grad is None and model.blocks[0].lin.weight.grad is None  # only the step after the trunk
 
 
+class _ReadsItsDtype(Net):
+    """Reads a module's parameters before the trunk, as Wan (``next(iter(self.time_embedder.parameters())).dtype``),
+    SkyReels-V2 (diffusers' ``get_parameter_dtype(self.time_embedder)``) and diffusers' models (``self.dtype``) do."""
+
+    def __init__(self, embed: nn.Module) -> None:
+        super().__init__()
+        self.embed = embed
+
+    def before(self, x: torch.Tensor) -> torch.Tensor:
+        from diffusers.models.modeling_utils import get_parameter_dtype
+
+        dtype = next(iter(self.embed.parameters())).dtype
+        assert get_parameter_dtype(self.embed) == self.embed.dtype == dtype and self.embed.device == x.device
+        return super().before(x).to(dtype)
+
+
+@torch.no_grad()
+def test_a_module_emptied_by_the_cut_answers_from_its_ghosts_while_the_step_runs():
+    """[Note: emptied models]: on the rank that does not hold the embedding, the code before the trunk still reads its
+    dtype (diffusers' ``ModelMixin`` answers ``dtype``/``device`` from the ghosts); ``parameters()`` yields the ghosts
+    while the step runs only: the optimizer and the rest see the rank's own parameters."""
+    diffusers = pytest.importorskip("diffusers")
+
+    class Embed(diffusers.ModelMixin):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.table = nn.Embedding(VOCAB, DIM)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.table(x)
+
+    reference, model = _ReadsItsDtype(Embed()), _ReadsItsDtype(Embed())
+    model.load_state_dict(reference.state_dict())
+    cut = cut_of(model)
+    cut.keep_only(1, CPU)
+    assert list(model.embed.parameters()) == [] and model.embed.dtype == torch.float32
+    program = StepProgram(model, cut.backbone, cut.structure, cut.flow, {1: cut.layout.bounds[1]}, cut.window_swaps(1),
+                          CPU)
+    x, y = batch()
+    rows = torch.arange(2, 5)
+    first = reference.blocks[1](reference.blocks[0](reference.before(x[2:5])))
+    with program.holding(model.training_step, (x, y), BATCH, 0):
+        (second,) = program.run_stage(1, rows, (first,))
+    torch.testing.assert_close(second, reference.blocks[3](reference.blocks[2](first)), rtol=0, atol=0)
+    assert list(model.embed.parameters()) == [] and "parameters" not in vars(model.embed)  # only while it ran
+    cut.unsplit(model, {reg.key: reg.tensor for reg in cut.registrations})
+    assert type(model.embed) is Embed
+
+
+def test_ghosts_of_moe_experts_multiply_in_fp32():
+    """Hugging Face's MoE experts call ``torch._grouped_mm`` in fp32 on CPU; torch's meta kernel refuses what is not
+    bf16, so a ghost of it has the CPU kernel's shape and dtype (GlmMoeDsa, HYV4: the blocks run on ghosts)."""
+    from lightning_pipe._ghost import ghost_of
+
+    a, w, offs = torch.randn(8, 16), torch.randn(2, 16, 32), torch.tensor([3, 8], dtype=torch.int32)
+    real = F.grouped_mm(a, w, offs=offs)
+    out = F.grouped_mm(ghost_of(a), w, offs=offs)
+    assert isinstance(out, Ghost) and out.shape == real.shape and out.dtype == real.dtype == torch.float32
+    half = F.grouped_mm(ghost_of(a.bfloat16()), w.bfloat16(), offs=offs)
+    assert isinstance(half, Ghost) and half.dtype == torch.bfloat16 and half.shape == real.shape
+
+
 # ------------------------------------------------------------------------------------------------ one process group
 
 

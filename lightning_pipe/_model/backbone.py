@@ -11,7 +11,7 @@ uses them.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
@@ -65,17 +65,21 @@ class Backbone:
         return ", ".join(f"`{p}` ({len(c)} blocks)" for p, c in zip(self.paths, self.containers))
 
 
-def find_backbone(module: nn.Module, spec: Union[str, Sequence[str]] = "auto") -> Backbone:
+def find_backbone(
+    module: nn.Module, spec: Union[str, Sequence[str]] = "auto", runs: Optional[Collection[str]] = None
+) -> Backbone:
     """The backbone of ``module``: the container(s) at the dotted path(s) ``spec``, or found (``"auto"``).
 
     ``"auto"`` takes a ``backbone`` attribute if the module has one, else a container of blocks (outermost first;
     see :func:`_repeated_containers`): the longest, unless it leaves most of the module's parameters outside while
     another holds more (then the one that holds the most); it refuses, listing the candidates, when that leaves a
     tie. It logs its choice. (Before that, ``_model/split.py`` tries every candidate together, kept when the step
-    runs them one after the other: :func:`consecutive_candidates`.)
+    runs them one after the other: :func:`consecutive_candidates`.) ``runs``: the candidates the step runs, where
+    ``_model/split.py`` found out; auto chooses among those only (a vision-language model's vision layers are no
+    candidate for a step on text-only rows).
     """
     if isinstance(spec, str) and spec == "auto":
-        paths = _auto_paths(module)
+        paths = _auto_paths(module, runs)
     else:
         paths = [spec] if isinstance(spec, str) else list(spec)
         if not paths:
@@ -109,11 +113,15 @@ def consecutive_candidates(module: nn.Module) -> Optional[list[str]]:
     return [name for name, _ in candidates] if len(candidates) > 1 else None
 
 
-def _auto_paths(module: nn.Module) -> list[str]:
+def _auto_paths(module: nn.Module, runs: Optional[Collection[str]] = None) -> list[str]:
     own = getattr(module, "backbone", None)
     if isinstance(own, _CONTAINERS):
         return ["backbone"]
     candidates = _repeated_containers(module)
+    idle = [name for name, _ in candidates if runs is not None and name not in runs]
+    if len(idle) == len(candidates):  # the step runs none of them: the refusal names the one chosen
+        idle = []
+    candidates = [(name, c) for name, c in candidates if name not in idle]
     if not candidates:
         found = [n for n, m in module.named_modules() if n and isinstance(m, _CONTAINERS)]
         hint = f" Containers found: {found[:8]}." if found else " The module has no nn.Sequential or nn.ModuleList."
@@ -123,9 +131,10 @@ def _auto_paths(module: nn.Module) -> list[str]:
             f" 'transformer.h'), or a list of consecutive containers.{hint}"
         )
     name, container = _choose(module, candidates)
+    unused = f" (the step does not run {', '.join(f'`{n}`' for n in idle)})" if idle else ""
     rank_zero_info(
         f"PipelineStrategy: pipelining `{name}` ({_describe(container)}), which holds {_share(module, container)} of"
-        " the parameters; set `backbone=` to choose another."
+        f" the parameters{unused}; set `backbone=` to choose another."
     )
     return [name]
 

@@ -31,6 +31,7 @@ from lightning_pipe._errors import BackboneCallError, not_computed_by_last_stage
 from lightning_pipe._ghost import Ghost, ghost_of
 from lightning_pipe._lightning.log import LogRecorder
 from lightning_pipe._model.backbone import Backbone
+from lightning_pipe._model.emptied import ghost_parameters
 from lightning_pipe._model.flow import Producer, Unsendable
 from lightning_pipe._model.inner import InnerCall, inner_returned, replay
 
@@ -322,7 +323,8 @@ class BlockRunners:
             self._swap(entries)
         run.restore_prefix = self._put_back if entries else None
         try:
-            yield run
+            with ghost_parameters(self.module):  # [Note: emptied models]
+                yield run
         finally:
             if run.restore_prefix is not None:
                 run.restore_prefix()
@@ -441,10 +443,14 @@ def call_muted(module: nn.Module, step: Callable[..., Any], args: tuple, kwargs:
         return step(*args, **kwargs)
 
 
+class BackboneNotCalledError(BackboneCallError):
+    """The step finished without calling the backbone at all (``backbone="auto"`` then tries another candidate)."""
+
+
 def never_called(run: BlockCalls) -> BackboneCallError:
     backbone = run.program.backbone
     if run.next == 0:
-        return BackboneCallError(
+        return BackboneNotCalledError(
             f"The step finished without calling the pipelined backbone ({backbone.describe()}). With"
             " `PipelineStrategy`, each `training_step`/`validation_step`/`test_step`/`predict_step` must run the"
             " backbone (directly or through `forward`) once per batch."

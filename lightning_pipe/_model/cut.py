@@ -36,7 +36,12 @@ from lightning_pipe._ghost import Ghost, ghost_of
 from lightning_pipe._lightning.summary import parameter_counts
 from lightning_pipe._model.backbone import Backbone
 from lightning_pipe._model.calls import Structure
-from lightning_pipe._model.emptied import lend_ghost_dtype, restore_classes
+from lightning_pipe._model.emptied import (
+    forget_ghost_parameters,
+    lend_ghost_dtype,
+    lend_ghost_parameters,
+    restore_classes,
+)
 from lightning_pipe._model.flow import make_flow
 from lightning_pipe._model.names import ModelNames
 from lightning_pipe.partition import StageLayout
@@ -249,7 +254,10 @@ class Cut:
         held_ids = {id(reg.tensor) for reg in held}
         self.names = replace(self.names, first_name={i: n for i, n in self.names.first_name.items() if i in held_ids})
         whole = self._module()
-        self._emptied = lend_ghost_dtype(whole) if whole is not None else []  # [Note: emptied models]
+        if whole is not None:  # [Note: emptied models]
+            self._emptied = lend_ghost_dtype(whole)
+            lend_ghost_parameters(whole, [(r.owner, r.name) for r in self.registrations
+                                          if r.kind == "parameter" and id(r) not in held_regs])
         self.split = True
         log.debug("pipeline rank %d keeps %d of %d tensors", rank, len(held), len(self.registrations))
 
@@ -270,6 +278,7 @@ class Cut:
         object it is), so the module is the whole model once more ([Note: the whole module after a Trainer call]);
         :meth:`keep_only` cuts it again for the same layout."""
         restore_classes(self._emptied)
+        forget_ghost_parameters(module)
         params: dict[str, nn.Parameter] = {}
         renamed: dict[int, nn.Parameter] = {}
         for reg in self.registrations:

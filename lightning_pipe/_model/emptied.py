@@ -1,4 +1,5 @@
-"""Modules a cut leaves without a parameter: Hugging Face's ``dtype`` and ``device`` keep answering.
+"""Modules a cut leaves without a parameter: ``dtype``, ``device`` and, while a step runs, ``parameters()`` keep
+answering.
 
 A Hugging Face model reads its own dtype and device from its parameters (``ModuleUtilsMixin.dtype``:
 ``next(p.dtype for p in self.parameters() ...)``), and some of its forwards do so on every call: Mllama's vision
@@ -11,12 +12,23 @@ of the data, so that rank alone ends its epoch silently, and the next collective
 :class:`_GhostDtype` in front of its own (same name, qualified name and module; ``isinstance`` still holds): when
 the model has a parameter its answer is Hugging Face's, otherwise the dtype and device of its ghosts, which are the
 ones the parameters have on the rank that holds them. :func:`restore_classes` puts the model's own class back when
-the module is whole again.
+the module is whole again. Diffusers' models (``ModelMixin``: ``get_parameter_dtype(self)``, whose last resort
+fails with ``UnboundLocalError`` on a module without a tensor) get the same.
+
+Models also read a submodule's parameters directly, in code that runs before the backbone on every stage: Wan's
+``next(iter(self.time_embedder.parameters())).dtype``, SkyReels-V2's ``get_parameter_dtype(self.time_embedder)``.
+While a step runs (:func:`ghost_parameters`, entered by every run of the step), each module that holds no parameter
+on this rank but stands for some answers ``parameters()`` and ``named_parameters()`` with their ghosts, as the rank
+that holds them answers with the parameters: an instance attribute for the run only, so outside the step (the
+optimizer, callbacks, clipping, checkpoints) a module still has exactly the parameters this rank holds.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import weakref
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import nn
@@ -56,10 +68,15 @@ class _GhostDtype:
         return super().device  # type: ignore[misc]
 
 
+_READERS = (("ModuleUtilsMixin", "transformers."), ("ModelMixin", "diffusers."))
+
+
 def _reads_own_parameters(cls: type) -> bool:
-    """Whether ``cls`` answers ``dtype`` and ``device`` from its parameters, as ``transformers``' models do."""
+    """Whether ``cls`` answers ``dtype`` and ``device`` from its parameters, as ``transformers``' and ``diffusers``'
+    models do."""
     return any(
-        klass.__name__ == "ModuleUtilsMixin" and klass.__module__.startswith("transformers.") for klass in cls.__mro__
+        klass.__name__ == name and klass.__module__.startswith(package)
+        for klass in cls.__mro__ for name, package in _READERS
     )
 
 
@@ -89,3 +106,68 @@ def restore_classes(lent: list[tuple[nn.Module, type]]) -> None:
     for sub, cls in lent:
         sub.__class__ = cls
     lent.clear()
+
+
+#: The whole module -> the modules that answer ``parameters()`` with ghosts while its step runs.
+_step_stand_ins: weakref.WeakKeyDictionary[nn.Module, list[tuple[nn.Module, dict[int, list[str]]]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def lend_ghost_parameters(module: nn.Module, ghost_parameters: Sequence[tuple[nn.Module, str]]) -> None:
+    """Note, for :func:`ghost_parameters`, the modules of ``module`` (cut) that hold no parameter on this rank and stand
+    for some: ``ghost_parameters`` are the ``(owner, name)`` of the parameters that became ghost attributes."""
+    names: dict[int, list[str]] = {}
+    for owner, name in ghost_parameters:
+        names.setdefault(id(owner), []).append(name)
+    emptied = []
+    for sub in module.modules():
+        if not any(id(m) in names for m in sub.modules()) or any(True for _ in sub.parameters()):
+            continue
+        emptied.append((sub, {id(m): names[id(m)] for m in sub.modules() if id(m) in names}))
+    _step_stand_ins[module] = emptied
+
+
+def forget_ghost_parameters(module: nn.Module) -> None:
+    """The module is whole again: no module stands in for parameters any more."""
+    _step_stand_ins.pop(module, None)
+
+
+@contextmanager
+def ghost_parameters(module: nn.Module) -> Iterator[None]:
+    """While the step of ``module`` runs: the modules :func:`lend_ghost_parameters` noted answer ``parameters()`` and
+    ``named_parameters()`` with their ghosts ([Note: emptied models])."""
+    emptied = _step_stand_ins.get(module, ())
+    for sub, names in emptied:
+        named = _named_ghosts(sub, names)
+        vars(sub)["named_parameters"] = named
+        vars(sub)["parameters"] = _ghosts_only(named)
+    try:
+        yield
+    finally:
+        for sub, _ in emptied:
+            vars(sub).pop("named_parameters", None)
+            vars(sub).pop("parameters", None)
+
+
+def _named_ghosts(module: nn.Module, names: dict[int, list[str]]) -> Any:
+    def named_parameters(prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator[Any]:
+        subs = module.named_modules(prefix=prefix, remove_duplicate=remove_duplicate) if recurse else [(prefix, module)]
+        seen: set[int] = set()
+        for path, sub in subs:
+            for name in names.get(id(sub), ()):
+                ghost = vars(sub).get(name)
+                if not isinstance(ghost, Ghost) or (remove_duplicate and id(ghost) in seen):
+                    continue
+                seen.add(id(ghost))
+                yield (f"{path}.{name}" if path else name), ghost
+
+    return named_parameters
+
+
+def _ghosts_only(named: Any) -> Any:
+    def parameters(recurse: bool = True) -> Iterator[Ghost]:
+        for _, ghost in named(recurse=recurse):
+            yield ghost
+
+    return parameters

@@ -21,7 +21,7 @@ from torchmetrics import Metric
 from lightning_pipe._compiled import refuse_compiled_zero_bubble
 from lightning_pipe._errors import BackboneCallError
 from lightning_pipe._model.backbone import consecutive_candidates, find_backbone
-from lightning_pipe._model.calls import Structure
+from lightning_pipe._model.calls import BackboneNotCalledError, Structure
 from lightning_pipe._model.cut import Cut
 from lightning_pipe._model.structure import analyze
 from lightning_pipe.partition import make_layout
@@ -153,8 +153,34 @@ def _backbone_of(
                 " `backbone=` to choose others."
             )
             return backbone, structure
-    backbone = find_backbone(module, spec)
+    tried = {} if candidates is None else _candidates_run(module, candidates, step, args,
+                                                          device=device, fitting=fitting)
+    backbone = find_backbone(module, spec, runs=tried or None)
+    found = tried.get(backbone.paths[0]) if len(backbone.paths) == 1 else None
+    if found is not None:
+        return found
     return backbone, analyze(module, backbone, step, args, device, training=fitting)
+
+
+def _candidates_run(
+    module: nn.Module, candidates: list[str], step: Callable[..., Any], args: tuple, *, device: torch.device,
+    fitting: bool,
+) -> dict[str, Optional[tuple[Any, Structure]]]:
+    """``backbone="auto"``: each candidate container the step runs, with how it runs it; a candidate it never calls
+    (a vision-language model's vision layers, for a step on text-only rows) is left out, so that auto chooses among
+    the containers the step runs. A candidate whose analysis fails otherwise counts as run (without a structure: its
+    error is raised again if it is chosen)."""
+    found: dict[str, Any] = {}
+    for path in candidates:
+        backbone = find_backbone(module, path)
+        try:
+            found[path] = (backbone, analyze(module, backbone, step, args, device, training=fitting))
+        except BackboneNotCalledError:
+            log.debug("backbone='auto': the step does not run `%s`", path)
+        except BackboneCallError as err:
+            log.debug("backbone='auto': `%s`: %s", path, err)
+            found[path] = None
+    return found
 
 
 def previous_cut(module: nn.Module) -> Optional[Cut]:
