@@ -56,6 +56,9 @@ class Recorder(L.Callback):
             "global_step": trainer.global_step,
         })
 
+    def on_fit_end(self, trainer, pl_module):  # after every callback's on_train_end (SWA's transfer), in the call
+        self.held_state = plain(pl_module.state_dict())
+
     def on_exception(self, trainer, pl_module, exception):
         if self.out is not None:  # written at once: rank 0 ends the other ranks shortly after an exception
             self.out.mkdir(parents=True, exist_ok=True)
@@ -145,7 +148,9 @@ def run_phase(phase: dict[str, Any], devices: int, out: Optional[Path]) -> dict[
     adam_steps = sorted({int(s["step"]) for s in optimizer.state.values() if "step" in s}) if optimizer else []
     result = {
         "steps": recorder.steps,
-        "state_dict": plain(model.state_dict()) if error is None else {},  # a failed call leaves the module split
+        # what this rank held at the end of the call (the module is whole after it; split after a failed one)
+        "state_dict": getattr(recorder, "held_state", {}) if error is None else {},
+        "whole_after": plain(model.state_dict()) if error is None else {},
         "averaged": averaged,
         "adam_steps": adam_steps,
         "lr": model.hparams.lr,

@@ -157,6 +157,8 @@ def assert_same_training(name: str, pipelined, reference) -> None:
             assert mine["global_step"] == theirs["global_step"]
         assert got["state_dict"], "the rank holds nothing"
         assert _max_diff(got["state_dict"], ref["state_dict"]) < ATOL, (name, rank)
+        assert set(got["whole_after"]) == set(ref["state_dict"]), "not whole after the call"
+        assert _max_diff(got["whole_after"], ref["state_dict"]) < ATOL, (name, rank)
         assert set(got["averaged"]) == set(ref["averaged"])
         for cb, state in got["averaged"].items():
             assert set(state) == set(got["state_dict"]) & set(state), "the averaged copy is not this rank's share"
