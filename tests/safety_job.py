@@ -144,6 +144,9 @@ class StartRecorder(L.Callback):
         self.start_step: Optional[int] = None
         self.start_state: dict[str, torch.Tensor] = {}
 
+    def on_fit_end(self, trainer, pl_module):  # what this rank holds at the end of the call (whole after it)
+        self.held_state = {k: v.detach().cpu().clone() for k, v in pl_module.state_dict().items()}
+
     def on_train_start(self, trainer, pl_module):
         self.start_step = trainer.global_step
         self.start_state = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
@@ -283,7 +286,9 @@ def run_phase(phase: dict[str, Any], devices: int, rank: int, out: Path) -> None
         "start_step": recorder.start_step,
         "start_state": recorder.start_state,
         "global_step": trainer.global_step,
-        "state_dict": {k: v.detach().cpu().clone() for k, v in state_after_call(model).items()},
+        "state_dict": getattr(recorder, "held_state", None) or {  # this rank's share, at the end of its call
+            k: v.detach().cpu().clone() for k, v in state_after_call(model).items()
+        },
         "saves": saves,
     }
     out.mkdir(parents=True, exist_ok=True)
