@@ -124,6 +124,7 @@ def test_torchrun_two_nodes(tmp_path):
             p.kill()
     assert all(p.returncode == 0 for p in procs), outputs[0][-3000:] + outputs[1][-3000:]
     results = [torch.load(tmp_path / "out" / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
-    assert len(results[0]["state_dict"]) < len(results[0]["initial"]) + 1  # each node holds one stage
+    # each node held one stage while training, and holds the whole model after the call
+    assert len(results[0]["initial"]) < len(results[0]["state_dict"])
     ref_spec = {k: v for k, v in spec.items() if k != "trainer"} | {"trainer": {"max_epochs": 1}}
     assert_parity(results, reference(ref_spec, tmp_path))
