@@ -56,8 +56,8 @@ class Recorder(L.Callback):
             "global_step": trainer.global_step,
         })
 
-    def on_fit_end(self, trainer, pl_module):  # after every callback's on_train_end (SWA's transfer), in the call
-        self.held_state = plain(pl_module.state_dict())
+    def on_train_end(self, trainer, pl_module):  # in the call: the keys of this rank's share
+        self.held_keys = list(pl_module.state_dict())
 
     def on_exception(self, trainer, pl_module, exception):
         if self.out is not None:  # written at once: rank 0 ends the other ranks shortly after an exception
@@ -146,11 +146,13 @@ def run_phase(phase: dict[str, Any], devices: int, out: Optional[Path]) -> dict[
             averaged[type(callback).__name__] = {k: v.detach().cpu().clone() for k, v in average.state_dict().items()}
     optimizer = trainer.optimizers[0] if trainer.optimizers else None
     adam_steps = sorted({int(s["step"]) for s in optimizer.state.values() if "step" in s}) if optimizer else []
+    whole = plain(model.state_dict()) if error is None else {}
     result = {
         "steps": recorder.steps,
-        # what this rank held at the end of the call (the module is whole after it; split after a failed one)
-        "state_dict": getattr(recorder, "held_state", {}) if error is None else {},
-        "whole_after": plain(model.state_dict()) if error is None else {},
+        # this rank's share at the end of the call, valued after it (SWA moves the averaged weights in at its
+        # on_train_end); the module is whole after the call, and split after a failed one
+        "state_dict": {k: whole[k] for k in getattr(recorder, "held_keys", [])},
+        "whole_after": whole,
         "averaged": averaged,
         "adam_steps": adam_steps,
         "lr": model.hparams.lr,

@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import models
-from helpers import state_after_call
+from helpers import share_after_call, state_after_call
 
 from lightning_pipe import PipelineStrategy
 
@@ -46,12 +46,12 @@ class Recorder(L.Callback):
         self.start_state = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
         self.start_step = trainer.global_step
 
-    def on_train_end(self, trainer, pl_module):  # what this rank holds at the end of the call (whole after it)
-        self.held_state = {k: v.detach().cpu().clone() for k, v in pl_module.state_dict().items()}
+    def on_train_end(self, trainer, pl_module):  # in the call: the keys of this rank's share (whole after it)
+        self.held_keys = list(pl_module.state_dict())
 
     def on_validation_end(self, trainer, pl_module):
         if not trainer.training:
-            self.held_state = {k: v.detach().cpu().clone() for k, v in pl_module.state_dict().items()}
+            self.held_keys = list(pl_module.state_dict())
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.steps.append(
@@ -136,9 +136,7 @@ def run_phase(phase: dict[str, Any], devices: int, out: Optional[Path]) -> dict[
         "steps": recorder.steps,
         "start_state": recorder.start_state,
         "start_step": getattr(recorder, "start_step", None),
-        "state_dict": getattr(recorder, "held_state", None) or {
-            k: v.detach().cpu().clone() for k, v in state_after_call(model).items()
-        },
+        "state_dict": share_after_call(model, getattr(recorder, "held_keys", None)),
         "whole_after": {k: v.detach().cpu().clone() for k, v in state_after_call(model).items()},
         "global_step": trainer.global_step,
         "error": error,

@@ -112,3 +112,10 @@ def state_after_call(model: "torch.nn.Module", keep_vars: bool = False) -> dict[
         return model.state_dict(keep_vars=keep_vars)
     except SplitModuleError:
         return {}
+
+
+def share_after_call(model: "torch.nn.Module", keys: Any) -> dict[str, torch.Tensor]:
+    """The values after a Trainer call of the entries this rank held during it (``keys``, recorded in a hook of the
+    call; ``None``: all), on the CPU."""
+    state = state_after_call(model)
+    return {k: v.detach().cpu().clone() for k, v in state.items() if keys is None or k in set(keys)}

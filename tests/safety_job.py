@@ -51,7 +51,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import models
-from helpers import state_after_call
+from helpers import share_after_call
 
 from lightning_pipe import PipelineStrategy
 from lightning_pipe._compat import torch as torch_compat
@@ -144,8 +144,8 @@ class StartRecorder(L.Callback):
         self.start_step: Optional[int] = None
         self.start_state: dict[str, torch.Tensor] = {}
 
-    def on_fit_end(self, trainer, pl_module):  # what this rank holds at the end of the call (whole after it)
-        self.held_state = {k: v.detach().cpu().clone() for k, v in pl_module.state_dict().items()}
+    def on_train_end(self, trainer, pl_module):  # in the call: the keys of this rank's share (whole after it)
+        self.held_keys = list(pl_module.state_dict())
 
     def on_train_start(self, trainer, pl_module):
         self.start_step = trainer.global_step
@@ -286,9 +286,7 @@ def run_phase(phase: dict[str, Any], devices: int, rank: int, out: Path) -> None
         "start_step": recorder.start_step,
         "start_state": recorder.start_state,
         "global_step": trainer.global_step,
-        "state_dict": getattr(recorder, "held_state", None) or {  # this rank's share, at the end of its call
-            k: v.detach().cpu().clone() for k, v in state_after_call(model).items()
-        },
+        "state_dict": share_after_call(model, getattr(recorder, "held_keys", None)),
         "saves": saves,
     }
     out.mkdir(parents=True, exist_ok=True)
