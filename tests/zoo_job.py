@@ -109,10 +109,9 @@ def run_phase(phase: dict[str, Any], devices: int) -> dict[str, Any]:
                 result["predictions"] = [p.cpu() for p in trainer.predict(model, val)]
         if "save" in phase:
             trainer.save_checkpoint(phase["save"])
-        if "hf_save" in phase:  # after the call: the parallel save, and the user's line on global zero
-            if isinstance(trainer.strategy, PipelineStrategy):
-                trainer.strategy.save_pretrained(Path(phase["hf_save"]) / "parallel")
-            if trainer.is_global_zero:
+        if "hf_save" in phase and isinstance(trainer.strategy, PipelineStrategy):  # not by the one-process reference
+            trainer.strategy.save_pretrained(Path(phase["hf_save"]) / "parallel")  # after the call: in parallel,
+            if trainer.is_global_zero:  # and the user's line on global zero
                 model.model.save_pretrained(Path(phase["hf_save"]) / "plain")
     except Exception as err:
         if not phase.get("expect_error"):
