@@ -107,7 +107,8 @@ def run_phase(phase: dict[str, Any], devices: int, out: Optional[Path]) -> dict[
     root = phase.get("root", ".")
     model = make_model(phase.get("model", {}))
     recorder = Recorder(out, name)
-    callbacks = [recorder] + [make_callback(c, root) for c in phase.get("callbacks", [])]
+    # the recorder last: its on_train_end sees the module after the others' (SWA's transfer, pruning made permanent)
+    callbacks = [make_callback(c, root) for c in phase.get("callbacks", [])] + [recorder]
     trainer_kwargs: dict[str, Any] = dict(
         accelerator="cpu",
         devices=devices,
