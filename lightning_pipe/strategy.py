@@ -11,7 +11,6 @@ import logging
 from collections.abc import Generator
 from contextlib import ExitStack, contextmanager, nullcontext
 from datetime import timedelta
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import lightning.pytorch as pl
@@ -19,9 +18,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
@@ -33,21 +30,20 @@ from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
 from lightning_pipe import _watchdog
-from lightning_pipe._compat.lightning import init_process_group
+from lightning_pipe._after_call import ModuleAfterCall
 from lightning_pipe._compat.torch import ghost_safe_init
 from lightning_pipe._lightning import callbacks as _callbacks
 from lightning_pipe._lightning import data
 from lightning_pipe._lightning.collectives import WatchedCollectives
 from lightning_pipe._lightning.options import DataParallel as _DataParallel
 from lightning_pipe._lightning.options import Size as _Size
-from lightning_pipe._lightning.options import validated_options
+from lightning_pipe._lightning.options import option_arguments, validated_options
 from lightning_pipe._lightning.parallel_dims import ParallelDims
 from lightning_pipe._lightning.precision import pipeline_precision
-from lightning_pipe._lightning.processes import end_launched_processes, launched_processes
+from lightning_pipe._lightning.processes import end_launched_processes, launched_processes, start_process_group
 from lightning_pipe._model.configure_model import ConfigureModelCalls, recording
 from lightning_pipe._model.cut import drop_ghosts
 from lightning_pipe._model.tensor_parallel import TensorParallelPlan
-from lightning_pipe._model.whole import SplitGuard, after_call
 from lightning_pipe._setup import SetupArgs, build_pipeline
 from lightning_pipe._step.runtime import PipelineRuntime
 from lightning_pipe.checkpoint import _dcp, _files, _hf
@@ -64,7 +60,7 @@ __all__ = ["PipelineStrategy"]
 log = logging.getLogger(__name__)
 
 
-class PipelineStrategy(WatchedCollectives, ParallelStrategy):
+class PipelineStrategy(ModuleAfterCall, WatchedCollectives, ParallelStrategy):
     """Pipeline parallelism for an unchanged LightningModule, on ``torch.distributed.pipelining``.
 
     The module's backbone (its blocks, in one or more containers) is cut into contiguous stages, one or more per
@@ -128,18 +124,13 @@ class PipelineStrategy(WatchedCollectives, ParallelStrategy):
         timeline: trace one training step: ``True`` (``global_step`` 1), a step, a directory, or a dict or
             :class:`~lightning_pipe.timeline.TimelineOptions`. Rank 0 writes ``timeline.json`` (Perfetto) and
             ``timeline.png`` and logs the measured bubble. See ``docs/performance.md``.
-        keep_split: after each ``Trainer`` call, leave every rank with its stages only. ``False`` (default): the
-            module is gathered whole on every rank, in host memory, as under DDP (``lit.model.save_pretrained`` on
-            global zero writes the whole model), when the whole model times the processes on the host fits the host's
-            available memory; past that bound it stays split with a warning. A split module's ``state_dict()`` (and
-            so ``save_pretrained``) raises, naming :meth:`save_pretrained`, the parallel save. See
-            ``docs/checkpointing.md``.
-        compile: ``torch.compile`` each block of each stage: ``True``, or a dict of ``torch.compile``'s options
-            (``{"backend": ..., "mode": ..., "dynamic": ...}``), in torchtitan's order (after tensor parallelism and
-            activation checkpointing, before sharding); blocks compiled in ``configure_model`` are recognised and not
-            compiled twice. Schedules that split the backward (``InterleavedZeroBubble``, ``ZBVZeroBubble``,
-            ``DualPipeV``) are refused with compiled blocks; ``schedule="auto"`` then weighs the others. See
-            ``docs/scaling.md``.
+        keep_split: after each ``Trainer`` call, leave every rank with its stages only (a split module's
+            ``state_dict()`` and so ``save_pretrained`` raise, naming :meth:`save_pretrained`). ``False`` (default):
+            the module is gathered whole on every rank, as under DDP, within a host-memory bound
+            (``docs/checkpointing.md``).
+        compile: ``torch.compile`` each block of each stage: ``True``, or a dict of ``torch.compile``'s options;
+            after tensor parallelism, before sharding. Schedules that split the backward are refused with compiled
+            blocks (``docs/scaling.md``).
     """
 
     strategy_name = "pipeline"
@@ -180,19 +171,8 @@ class PipelineStrategy(WatchedCollectives, ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        if not isinstance(keep_split, bool):
-            raise TypeError(f"`PipelineStrategy(keep_split={keep_split!r})` must be `True` or `False`.")
-        self._keep_split = keep_split
-        self._split_guard: Optional[SplitGuard] = None  # a module left split after a call: its reads raise
-        self._options = validated_options(
-            pipeline_parallel_size=pipeline_parallel_size, data_parallel_size=data_parallel_size,
-            num_microbatches=num_microbatches, schedule=schedule, stages_per_rank=stages_per_rank, backbone=backbone,
-            balance=balance, activation_checkpointing=activation_checkpointing, timeline=timeline,
-            stall_timeout=stall_timeout, check_data_every_n_batches=check_data_every_n_batches,
-            data_parallel=data_parallel, data_parallel_shard_size=data_parallel_shard_size,
-            reshard_after_forward=reshard_after_forward, tensor_parallel_size=tensor_parallel_size,
-            tensor_parallel_plan=tensor_parallel_plan, max_memory=max_memory, compile=compile,
-        )
+        self._options = validated_options(**option_arguments(locals()))  # the arguments it checks, by name
+        self._keep_split = self._options.keep_split
         self._hooks_context: Optional[ExitStack] = None  # from setup to teardown
         self._configured = ConfigureModelCalls()  # what `configure_model` asked for ([Note: configure_model's calls])
         self._process_group_backend = process_group_backend
@@ -324,20 +304,17 @@ class PipelineStrategy(WatchedCollectives, ParallelStrategy):
         if self._dims is None:
             # Built once per strategy: Lightning keeps each logged key's `sync_dist_group` across `fit`, `validate`,
             # `test` on one Trainer and refuses another group object for the same key.
-            dims = self._dims = ParallelDims.of(self._options, self.world_size, self.num_processes)
-            dims.build(self.root_device.type, self._process_group_backend, self._timeout)
-            log.debug("rank %d: %s, pipeline rank %d", self.global_rank, dims, dims.pipeline_rank)
+            self._dims = ParallelDims.of(self._options, self.world_size, self.num_processes)
+            self._dims.build(self.root_device.type, self._process_group_backend, self._timeout)
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self.device_mesh  # what `LightningModule.device_mesh` returns
         _watchdog.start(self.global_rank, lambda: launched_processes(self.launcher), self._options.stall_timeout)
 
     def _setup_distributed(self) -> None:
-        reset_seed()
         self.set_world_ranks()
-        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
-        self._process_group_backend = backend
-        assert self.cluster_environment is not None
-        init_process_group(self.cluster_environment, backend, self._timeout, self.root_device)
+        self._process_group_backend = start_process_group(
+            self.cluster_environment, self._process_group_backend, self._timeout, self.root_device
+        )
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -353,9 +330,7 @@ class PipelineStrategy(WatchedCollectives, ParallelStrategy):
         optimizers over this rank's parameters."""
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
-        if self._split_guard is not None:  # left split by the last call: this one cuts it as it is
-            self._split_guard.release()
-            self._split_guard = None
+        self._release_split_guard()
         args = SetupArgs(
             self._options, self.dims, self._configured, self.precision_plugin, self.root_device,
             batch_to_device=self.batch_to_device, tie_groups=self._tie_groups, timeout=self._timeout,
@@ -470,11 +445,8 @@ class PipelineStrategy(WatchedCollectives, ParallelStrategy):
         _callbacks.merge_finetuning_metadata(checkpoint, all_gather)
         stored_layout = _files.layout_record(cut.layout, self.data_parallel_size, cut.backbone.paths, cut.stored_choice)
         stored_layout["huggingface"] = _hf.config_record(self.lightning_module)  # for `consolidate --format hf`
-        _dcp.save(
-            checkpoint, self.broadcast(filepath), module=self.lightning_module, optimizers=self.optimizers,
-            names=cut.names, layout=stored_layout, is_global_zero=self.is_global_zero,
-            local_states=local_states,
-        )
+        _dcp.save(checkpoint, self.broadcast(filepath), module=self.lightning_module, optimizers=self.optimizers,
+                  names=cut.names, layout=stored_layout, is_global_zero=self.is_global_zero, local_states=local_states)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
@@ -511,10 +483,8 @@ class PipelineStrategy(WatchedCollectives, ParallelStrategy):
         assert self.cluster_environment is not None
         assert self.accelerator is not None
         if self._runtime is not None:
-            self._runtime.gradients.discard()
-            if not self._failed:
-                self._runtime.drain()
-            self._leave_module(self._runtime.cut)
+            self._runtime.end(failed=self._failed)
+            self._leave_module(self._runtime.cut, failed=self._failed)
         self._failed = False
         _watchdog.stop()
         if self._hooks_context is not None:
@@ -523,57 +493,6 @@ class PipelineStrategy(WatchedCollectives, ParallelStrategy):
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
-
-    def _leave_module(self, cut: Any) -> None:
-        """Whole on every rank after the call, or split behind a guard ([Note: the whole module after a Trainer
-        call])."""
-        module = self.lightning_module
-        if module is None or not cut.split:
-            return
-        if self._failed:  # the other ranks may be gone: no collective
-            self._split_guard = SplitGuard(module)
-            return
-        self._split_guard = after_call(
-            module, cut, keep_split=self._keep_split, local_processes=self.num_processes,
-            pipeline_group=self.dims.pipeline_group, device=self.root_device,
-        )
-
-    def save_pretrained(
-        self,
-        dirpath: Union[str, Path],
-        *,
-        max_shard_size: Union[int, str] = "5GB",
-        safe_serialization: bool = True,
-        attribute: Optional[str] = None,
-    ) -> Path:
-        """Write the Hugging Face model inside the LightningModule as a directory ``from_pretrained`` loads, every
-        rank writing its own stages (and only its shard of a sharded or tensor-parallel stage) through DCP's
-        ``HuggingFaceStorageWriter``: no process holds the whole model ([Note: the parallel Hugging Face save]). A
-        peft model writes its adapter only. Call it on every rank, during a Trainer call (a callback:
-        :class:`~lightning_pipe.HuggingFaceCheckpoint`) or after one.
-
-        Args:
-            dirpath: the directory to write.
-            max_shard_size: the largest safetensors file, as ``PreTrainedModel.save_pretrained`` takes it.
-            safe_serialization: safetensors only; ``False`` is refused (a pickle would run code when loaded).
-            attribute: the LightningModule's attribute that is the Hugging Face model; found when ``None``.
-        """
-        if not safe_serialization:
-            raise ValueError("`PipelineStrategy.save_pretrained` writes safetensors only: drop `safe_serialization`.")
-        cut = self.runtime.cut
-        guard = self._split_guard
-        with guard.reading_local_stage() if guard is not None else nullcontext():
-            return _hf.save_pretrained(
-                self.lightning_module, self.broadcast(str(dirpath)), stored=cut.names.stored, attribute=attribute,
-                max_shard_size=max_shard_size, whole_sizes=cut.whole_shapes(),
-            )
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        """This rank's stage, also for ``trainer.save_checkpoint`` after a call that left the module split."""
-        guard = self._split_guard
-        with guard.reading_local_stage() if guard is not None else nullcontext():
-            return super().lightning_module_state_dict()
 
     @classmethod
     @override

@@ -6,6 +6,7 @@ where it does not depend on the processes (``stages_per_rank``), and later where
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal, Optional, Union
@@ -49,6 +50,7 @@ class PipelineOptions:
     auto: bool = False
     max_memory: Optional[int] = None  # bytes a process may hold, for ``schedule="auto"``
     compile: Optional[dict] = None  # ``torch.compile``'s options for each block; ``None``: not compiled
+    keep_split: bool = False  # leave the module split after each Trainer call
 
 
 def validated_options(
@@ -71,6 +73,7 @@ def validated_options(
     tensor_parallel_plan: Any = None,
     max_memory: Any = None,
     compile: Any = False,
+    keep_split: Any = False,
 ) -> PipelineOptions:
     """Check the constructor's arguments, by keyword as ``PipelineStrategy`` takes them (raising ``ValueError`` that
     names the fix), and resolve ``"auto"`` where it does not depend on the processes."""
@@ -150,6 +153,8 @@ def validated_options(
             "`PipelineStrategy(tensor_parallel_plan=...)` needs `tensor_parallel_size` > 1 (the processes that split"
             " each block); set it, or drop the plan."
         )
+    if not isinstance(keep_split, bool):
+        raise TypeError(f"`PipelineStrategy(keep_split={keep_split!r})` must be `True` or `False`.")
     if not isinstance(compile, (bool, dict)):
         raise ValueError(
             f"`PipelineStrategy(compile={compile!r})` must be `True`, `False`, or a dict of `torch.compile`'s options"
@@ -164,5 +169,10 @@ def validated_options(
         stall_timeout=seconds, check_data_every_n_batches=every, data_parallel=data_parallel,
         data_parallel_shard_size=data_parallel_shard_size, reshard_after_forward=reshard_after_forward,
         tensor_parallel_size=tp, tensor_parallel_plan=tensor_parallel_plan, auto=auto, max_memory=max_memory,
-        compile=({} if compile is True else dict(compile)) if compile is not False else None,
+        compile=({} if compile is True else dict(compile)) if compile is not False else None, keep_split=keep_split,
     )
+
+
+def option_arguments(arguments: dict[str, Any]) -> dict[str, Any]:
+    """Of ``PipelineStrategy.__init__``'s arguments (its ``locals()``), those :func:`validated_options` checks."""
+    return {name: arguments[name] for name in inspect.signature(validated_options).parameters}

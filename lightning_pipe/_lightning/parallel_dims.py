@@ -14,6 +14,7 @@ With ``data_parallel="hsdp"`` the replicas form a grid, each row one group of re
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Optional
@@ -24,6 +25,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lightning_pipe._compat.torch import mesh_group_options
 from lightning_pipe.partition import resolve_sizes
+
+log = logging.getLogger(__name__)
 
 DATA = "data_parallel"
 PIPELINE = "pipeline_parallel"
@@ -100,6 +103,7 @@ class ParallelDims:
         if self.pipeline > 1 and self.data > 1:
             rows = [row.tolist() for row in self.pipelines()]
             self.loss_weight_group, _ = dist.new_subgroups_by_enumeration(rows, timeout=timeout)
+        log.debug("rank %d: %s, pipeline rank %d", dist.get_rank(), self, self.pipeline_rank)
         return mesh
 
     def _built(self) -> DeviceMesh:

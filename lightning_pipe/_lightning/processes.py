@@ -10,7 +10,12 @@ import time
 import traceback
 from typing import Any
 
+import torch
+from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device
+from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+
+from lightning_pipe._compat.lightning import init_process_group
 
 #: How long a failing rank 0 gives the ranks it launched to fail on their own (and say why) before it ends them.
 GRACE_S = 3.0
@@ -42,3 +47,12 @@ def end_launched_processes(launcher: Any, exception: BaseException, rank: int) -
         except subprocess.TimeoutExpired:
             pass
     launcher.kill(signal.SIGKILL)
+
+
+def start_process_group(cluster_environment: Any, backend: Any, timeout: Any, device: torch.device) -> str:
+    """Reset the seed as Lightning's strategies do, and start the default process group with ``backend`` (``None``:
+    Lightning's default for ``device``); returns the backend."""
+    reset_seed()
+    backend = backend or _get_default_process_group_backend_for_device(device)
+    init_process_group(cluster_environment, backend, timeout, device)
+    return backend

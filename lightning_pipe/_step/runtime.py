@@ -167,6 +167,13 @@ class PipelineRuntime:
     def layout(self) -> StageLayout:
         return self.cut.layout
 
+    def end(self, failed: bool) -> None:
+        """The call ends: drop the gradients kept aside and, unless it failed (the other ranks may be gone), let the
+        last transfers finish (:meth:`drain`)."""
+        self.gradients.discard()
+        if not failed:
+            self.drain()
+
     def drain(self) -> None:
         """Wait for the last stage's last log broadcast (sent without waiting, see :class:`LogChannel`), so that no
         transfer is in flight when the run ends and the process groups are destroyed at exit."""
