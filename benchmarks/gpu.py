@@ -69,13 +69,24 @@ def _config(args: argparse.Namespace) -> LlamaConfig:
                        max_seq_len=args.seq_len, vocab_size=args.vocab_size)
 
 
-def fit(args: argparse.Namespace, pipeline: bool, precision: str, steps: int) -> tuple[Steps, dict[str, torch.Tensor]]:
+class CompiledLlama(SGDLlama):
+    """Plain Lightning with every module of the backbone compiled, as ``PipelineStrategy(compile=True)`` compiles
+    them."""
+
+    def configure_model(self) -> None:
+        for block in self.backbone:
+            block.compile()
+
+
+def fit(
+    args: argparse.Namespace, pipeline: bool, precision: str, steps: int, compiled: bool = False
+) -> tuple[Steps, dict[str, torch.Tensor]]:
     L.seed_everything(0)
-    model = SGDLlama(_config(args), lr=args.lr)
+    model = (CompiledLlama if compiled and not pipeline else SGDLlama)(_config(args), lr=args.lr)
     strategy: Any = "auto"
     if pipeline:
         strategy = PipelineStrategy(schedule="Interleaved1F1B", stages_per_rank=2,
-                                    num_microbatches=args.num_microbatches)
+                                    num_microbatches=args.num_microbatches, compile=compiled)
     record = Steps()
     trainer = L.Trainer(accelerator="gpu", devices=1, strategy=strategy, precision=precision, max_steps=steps,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,

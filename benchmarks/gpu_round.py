@@ -28,37 +28,14 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from gpu import SGDLlama, Steps, _config, _loader, _median_step, model_arguments
+from gpu import _median_step, fit, model_arguments
 
 from lightning_pipe import PipelineStrategy, read_pretrained
 
 
-class CompiledLlama(SGDLlama):
-    """Plain Lightning with every module of the backbone compiled, as ``compile=True`` compiles them."""
-
-    def configure_model(self) -> None:
-        for block in self.backbone:
-            block.compile()
-
-
-def fit(args: argparse.Namespace, pipeline: bool, compiled: bool, precision: str, steps: int) -> tuple[Steps, dict]:
-    L.seed_everything(0)
-    model = (CompiledLlama if compiled and not pipeline else SGDLlama)(_config(args), lr=args.lr)
-    strategy: Any = "auto"
-    if pipeline:
-        strategy = PipelineStrategy(schedule="Interleaved1F1B", stages_per_rank=2,
-                                    num_microbatches=args.num_microbatches, compile=compiled)
-    record = Steps()
-    trainer = L.Trainer(accelerator="gpu", devices=1, strategy=strategy, precision=precision, max_steps=steps,
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, callbacks=[record], use_distributed_sampler=False)
-    trainer.fit(model, _loader(args, steps))
-    return record, {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
-
-
 def compile_exactness(args: argparse.Namespace) -> dict[str, Any]:
-    eager, eager_w = fit(args, True, False, "32-true", args.check_steps)
-    comp, comp_w = fit(args, True, True, "32-true", args.check_steps)
+    eager, eager_w = fit(args, True, "32-true", args.check_steps)
+    comp, comp_w = fit(args, True, "32-true", args.check_steps, compiled=True)
     out = {
         "losses_eager": eager.losses, "losses_compiled": comp.losses,
         "max_loss_diff": max(abs(a - b) for a, b in zip(eager.losses, comp.losses)),
@@ -73,7 +50,7 @@ def compile_timing(args: argparse.Namespace) -> dict[str, Any]:
     out = {}
     for name, pipeline, compiled in (("single_eager", False, False), ("single_compiled", False, True),
                                      ("strategy_eager", True, False), ("strategy_compiled", True, True)):
-        record, _ = fit(args, pipeline, compiled, "bf16-mixed", steps)
+        record, _ = fit(args, pipeline, "bf16-mixed", steps, compiled=compiled)
         out[f"{name}_s"] = _median_step(record.starts, args.warmup)
         print(name, out[f"{name}_s"], flush=True)
     out["compile_speedup_strategy"] = out["strategy_eager_s"] / out["strategy_compiled_s"]
