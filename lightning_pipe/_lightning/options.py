@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal, Optional, Union
 
+from lightning_pipe._bytes import parse_bytes
 from lightning_pipe._compiled import compiled_zero_bubble
 from lightning_pipe.partition import BALANCE_MODES
 from lightning_pipe.schedules import ScheduleSpec, schedule_spec
@@ -99,8 +100,6 @@ def validated_options(
             " `schedule='auto'`, or drop the argument."
         )
     if max_memory is not None:
-        from lightning_pipe.plan import parse_bytes
-
         max_memory = parse_bytes(max_memory)
     if stages_per_rank == "auto":
         stages_per_rank = spec.default_stages_per_rank()

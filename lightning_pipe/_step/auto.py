@@ -39,7 +39,9 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from lightning_pipe._bytes import format_bytes
 from lightning_pipe._compiled import compiled
+from lightning_pipe._simulate import StageCosts, simulate
 from lightning_pipe._step.microbatches import default_num_microbatches, divisors, largest_divisor_at_most
 from lightning_pipe.partition import StageLayout
 from lightning_pipe.schedules import SCHEDULE_NAMES, schedule_spec
@@ -166,8 +168,6 @@ def predict(
             " or another `num_microbatches`."
         )
     if not candidates:
-        from lightning_pipe.plan import format_bytes
-
         least = min(dropped, key=lambda c: c.memory) if dropped else None
         raise ValueError(
             "`PipelineStrategy(schedule='auto')` found no configuration that fits"
@@ -196,8 +196,6 @@ def _counts(name: str, p: int, v: int, batch_size: int, requested: Any, fixed_co
 
 def _predicted(config: Config, layout: StageLayout, costs: Sequence[Any], params: Sequence[float],
                batch_size: int) -> Candidate:
-    from lightning_pipe.plan import StageCosts, simulate
-
     m = largest_divisor_at_most(batch_size, config.num_microbatches)
     rows = batch_size // m
     stages, saved, held = [], [], []
@@ -295,8 +293,6 @@ class Trial:
 
     def table(self) -> str:
         """The logged table: every candidate, predicted and measured step time, idle fraction, peak memory."""
-        from lightning_pipe.plan import format_bytes
-
         assert self.chosen is not None
         rows = [("", "schedule", "v", "m", "predicted", "refitted", "measured", "idle", "memory (predicted)",
                  "peak (measured)")]

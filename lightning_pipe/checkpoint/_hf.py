@@ -28,6 +28,7 @@ from torch.distributed.checkpoint import HuggingFaceStorageWriter
 from torch.distributed.checkpoint._consolidate_hf_safetensors import consolidate_safetensors_files_on_every_rank
 from torch.distributed.tensor import DTensor
 
+from lightning_pipe._bytes import parse_bytes
 from lightning_pipe._compat.torch import read_dcp_in_one_process
 from lightning_pipe.checkpoint._files import INFO_KEY, is_pipeline_checkpoint, read_meta, resolve
 from lightning_pipe.checkpoint._safe import SafeFileSystemReader, load_dcp_metadata
@@ -55,18 +56,6 @@ def _is_pretrained(model: nn.Module) -> bool:
 
 def _is_peft(model: nn.Module) -> bool:
     return hasattr(model, "peft_config") and hasattr(model, "active_adapter")
-
-
-def parse_size(size: Union[int, str]) -> int:
-    """``"5GB"``, ``"500MB"``, ``"2GiB"`` or a byte count, as ``save_pretrained``'s ``max_shard_size``."""
-    if isinstance(size, int):
-        return size
-    text = size.strip().upper()
-    units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9, "B": 1}
-    for unit, factor in units.items():
-        if text.endswith(unit):
-            return int(float(text[: -len(unit)]) * factor)
-    return int(text)
 
 
 def file_index(sizes: dict[str, int], max_shard_size: int) -> dict[str, int]:
@@ -114,7 +103,7 @@ def save_pretrained(
         mapping = dict.fromkeys(order, 1)
     else:
         sizes = {k: _numel(whole_sizes[prefix + k][0]) * whole_sizes[prefix + k][1].itemsize for k in order}
-        mapping = file_index(sizes, parse_size(max_shard_size))
+        mapping = file_index(sizes, parse_bytes(max_shard_size))
     rank = dist.get_rank() if dist.is_initialized() else 0
     sharded = path / _SHARDED
     if rank == 0:
@@ -227,7 +216,7 @@ def convert_checkpoint(
             sizes[fqn[len(prefix):]] = _numel(tuple(meta.size)) * meta.properties.dtype.itemsize
     order = [k[len(prefix) - len("state_dict."):] for k in info.get("state_dict_keys", [])]
     order = [k for k in order if k in sizes] + [k for k in sizes if k not in set(order)]
-    mapping = file_index({k: sizes[k] for k in order}, parse_size(max_shard_size))
+    mapping = file_index({k: sizes[k] for k in order}, parse_bytes(max_shard_size))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     count = max(mapping.values(), default=0)

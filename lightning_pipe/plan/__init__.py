@@ -31,6 +31,8 @@ of a per-replica batch ``b`` (global batch ``B = b * data_parallel_size``):
 uses it on the times it measures at setup.
 """
 
+from lightning_pipe._bytes import format_bytes, parse_bytes
+from lightning_pipe._simulate import Prediction, StageCosts, simulate
 from lightning_pipe._step.microbatches import (
     TARGET_BUBBLE,
     default_num_microbatches,
@@ -38,7 +40,7 @@ from lightning_pipe._step.microbatches import (
     valid_num_microbatches,
 )
 from lightning_pipe.plan._model import backbone_profile, measure_activation_bytes, measure_module_times
-from lightning_pipe.plan._result import Plan, format_bytes, parse_bytes
+from lightning_pipe.plan._result import Plan
 from lightning_pipe.plan._search import (
     PLANNED_SCHEDULES,
     plan_for_module,
@@ -46,7 +48,6 @@ from lightning_pipe.plan._search import (
     search_plans,
     tensor_parallel_sizes,
 )
-from lightning_pipe.plan._simulate import Prediction, StageCosts, simulate
 
 __all__ = [
     "PLANNED_SCHEDULES",

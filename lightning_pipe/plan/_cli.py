@@ -15,8 +15,9 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Optional, Union
 
+from lightning_pipe._bytes import format_bytes, parse_bytes
 from lightning_pipe.plan._model import backbone_profile
-from lightning_pipe.plan._result import Plan, format_bytes, parse_bytes
+from lightning_pipe.plan._result import Plan
 from lightning_pipe.plan._search import PLANNED_SCHEDULES, search_plans
 
 if TYPE_CHECKING:

@@ -12,11 +12,12 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Optional, Union
 
+from lightning_pipe._bytes import format_bytes
+from lightning_pipe._simulate import StageCosts, simulate
 from lightning_pipe._step.microbatches import check_positive, divisors, valid_num_microbatches
 from lightning_pipe.partition import StageLayout, split_sizes
 from lightning_pipe.plan._model import backbone_profile
-from lightning_pipe.plan._result import Plan, format_bytes
-from lightning_pipe.plan._simulate import StageCosts, simulate
+from lightning_pipe.plan._result import Plan
 from lightning_pipe.schedules import SCHEDULES
 
 if TYPE_CHECKING:
