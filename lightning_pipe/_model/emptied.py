@@ -25,6 +25,7 @@ optimizer, callbacks, clipping, checkpoints) a module still has exactly the para
 
 from __future__ import annotations
 
+import types
 import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -139,9 +140,11 @@ def ghost_parameters(module: nn.Module) -> Iterator[None]:
     ``named_parameters()`` with their ghosts ([Note: emptied models])."""
     emptied = _step_stand_ins.get(module, ())
     for sub, names in emptied:
-        named = _named_ghosts(sub, names)
+        # Bound methods, as the class's are: dynamo reads ``module.named_parameters.__func__`` when it traces a
+        # compiled model through an emptied module.
+        named = types.MethodType(_named_ghosts(names), sub)
         vars(sub)["named_parameters"] = named
-        vars(sub)["parameters"] = _ghosts_only(named)
+        vars(sub)["parameters"] = types.MethodType(_ghosts_only(named), sub)
     try:
         yield
     finally:
@@ -150,8 +153,10 @@ def ghost_parameters(module: nn.Module) -> Iterator[None]:
             vars(sub).pop("parameters", None)
 
 
-def _named_ghosts(module: nn.Module, names: dict[int, list[str]]) -> Any:
-    def named_parameters(prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator[Any]:
+def _named_ghosts(names: dict[int, list[str]]) -> Any:
+    def named_parameters(
+        module: nn.Module, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[Any]:
         subs = module.named_modules(prefix=prefix, remove_duplicate=remove_duplicate) if recurse else [(prefix, module)]
         seen: set[int] = set()
         for path, sub in subs:
@@ -166,7 +171,7 @@ def _named_ghosts(module: nn.Module, names: dict[int, list[str]]) -> Any:
 
 
 def _ghosts_only(named: Any) -> Any:
-    def parameters(recurse: bool = True) -> Iterator[Ghost]:
+    def parameters(module: nn.Module, recurse: bool = True) -> Iterator[Ghost]:
         for _, ghost in named(recurse=recurse):
             yield ghost
 
