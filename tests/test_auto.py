@@ -158,6 +158,7 @@ def costed_run(tmp_path_factory):
     return results, proc.stdout
 
 
+@pytest.mark.dist  # the shared launch of costed_run
 def test_auto_picks_the_schedule_that_leads_and_logs_the_table(costed_run):
     results, log = costed_run
     chosen = {"schedule": "InterleavedZeroBubble", "stages_per_rank": 2, "num_microbatches": 4}
@@ -173,6 +174,7 @@ def test_auto_picks_the_schedule_that_leads_and_logs_the_table(costed_run):
     assert "of the runtime's work per action" in log and "x the blocks' profiled times" in log
 
 
+@pytest.mark.dist  # the shared launch of costed_run
 def test_auto_trains_as_the_chosen_schedule_across_the_switch(costed_run):
     """The first 10 steps ran three schedules; losses, validation losses and weights equal the chosen schedule's from
     the start."""
@@ -188,6 +190,7 @@ def test_auto_trains_as_the_chosen_schedule_across_the_switch(costed_run):
     assert before[-1] < before[0]  # it trains
 
 
+@pytest.mark.dist  # the shared launch of costed_run
 def test_a_resume_keeps_the_choice(costed_run):
     results, log = costed_run
     for r in results["resumed"]:
@@ -231,6 +234,7 @@ def test_a_model_on_the_meta_device_is_predicted_from_parameter_counts():
     assert {c.config.num_microbatches for c in chooser.trial.candidates} <= {1, 2, 4, 8, 16}
 
 
+@pytest.mark.dist  # the shared launch of costed_run
 def test_auto_with_sharded_replicas_and_accumulation_trains_as_the_choice(costed_run):
     """pp2 x FSDP2 dp2, gradients accumulated over 2 batches: the trial switches schedules between the batches of
     one optimizer step, and the run still equals the choice pinned."""

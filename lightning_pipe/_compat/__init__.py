@@ -134,6 +134,13 @@ torch (checked against 2.13.0, 2.14.1 and 2.15.0; ``pyproject.toml`` pins ``<2.1
   (:func:`.torch.fsdp_reduce_in_backward`). FSDP's forward hooks are taken out while a stage runs on ghosts
   (:class:`.torch.fsdp_hooks_suspended`: ``nn.Module._forward_pre_hooks``/``_forward_hooks``).
 
+transformers (checked against 5.3 and 5.24; not a dependency, read only where the user's code imported it):
+
+- ``PreTrainedModel._output_capturing_hooks_installed``: the mark of a model whose output-capturing hooks are
+  installed (:mod:`.transformers`); ``PreTrainedModel._init_weights``: a model's own initialisation of modules that
+  have no ``reset_parameters`` (``_model/materialize.py``). The cache classes are reached through their public
+  ``layers``, ``keys``/``values`` and ``layer_class_to_replicate`` (``_step/caches.py``).
+
 torchmetrics (checked against 1.9; the dependency is pinned below 2):
 
 - ``Metric._defaults``, ``_update_count``, ``_forward_cache``, ``_computed``, ``_cache``, ``_is_synced``,
@@ -148,7 +155,8 @@ from __future__ import annotations
 #: whether through this module or directly (the modules that reach directly are named). An attribute an instance
 #: sets in its class's code counts as the class's. ``tests/test_compat.py`` looks up each one on the installed
 #: versions: the first test to run when a new Lightning or torch comes out. Names looked up only where they exist
-#: (``schedules._add_wait_send``, from torch 2.15) are not listed.
+#: (``schedules._add_wait_send``, from torch 2.15) are in :data:`PRIVATE_NAMES_WHERE_PRESENT`. ``tests/test_compat.py``
+#: also scans the package's source: a private name read or imported without an entry here fails it.
 PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     # torch: undoing a stage's parallelization after a Trainer call ([Note: undoing a stage's parallelization])
     ("torch.distributed._composable_state", "_module_state_mapping"),
@@ -267,4 +275,22 @@ PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     ("torchmetrics", "Metric._to_sync"),
     ("torchmetrics", "Metric._should_unsync"),
     ("torchmetrics", "Metric._reduce_states"),
+    # torch: compiled modules (_compiled.py: a block the user compiled is recognised, not compiled twice)
+    ("torch.nn", "Module._compiled_call_impl"),
+    ("torch._dynamo.eval_frame", "OptimizedModule._orig_mod"),
+    # torch: forward hooks that run inside a block (_compat/transformers.py, _model/inner.py)
+    ("torch.nn", "Module._forward_hooks_with_kwargs"),
+    ("torch.nn", "Module._forward_hooks_always_called"),
+    # torch: the parallel Hugging Face save (checkpoint/_hf.py): no public name consolidates on every rank
+    ("torch.distributed.checkpoint._consolidate_hf_safetensors", "consolidate_safetensors_files_on_every_rank"),
+    # transformers: a model's own initialisation of modules without reset_parameters (_model/materialize.py)
+    ("transformers", "PreTrainedModel._init_weights"),
+    # _compat/transformers.py: the mark this module's functions set on a model
+    ("transformers.utils.output_capturing", "_output_capturing_hooks_installed"),
+)
+
+#: Private names looked up only where the installed release has them (a missing one is a supported release, not a
+#: moved name): counted by the source scan in ``tests/test_compat.py``, not required to exist.
+PRIVATE_NAMES_WHERE_PRESENT: tuple[tuple[str, str], ...] = (
+    ("torch.distributed.pipelining.schedules", "_add_wait_send"),  # torch 2.15: .torch.keep_forward_actions
 )

@@ -7,7 +7,7 @@ import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -146,6 +146,35 @@ P2P_POST = "_batch_p2p"
 P2P_WAIT = "_wait_batch_p2p"
 #: The schedule method that runs the loss after each forward of the last stage.
 SCHEDULE_LOSS_METHOD = "_maybe_compute_loss"
+
+
+class Swaps:
+    """Wrappers over attributes of torch's pipelining objects (a stage's ``forward_one_chunk``, a schedule's
+    ``_maybe_compute_loss``, the schedules module's ``_batch_p2p``), all put back on exit, also on error, in the
+    reverse order: the timeline's recorder traces a step through them (torch has no hook on a stage's actions or its
+    transfers). An attribute the installed torch lacks is left alone (the recorder then records less)."""
+
+    def __init__(self) -> None:
+        self._restore: list[tuple[Any, str, bool, Any]] = []  # (owner, name, had an own attribute, that attribute)
+
+    def wrap(self, owner: Any, name: str, wrapper_factory: Callable[[Callable], Callable]) -> None:
+        original = getattr(owner, name, None)
+        if original is None:
+            return
+        had = name in vars(owner)  # an instance (or module) attribute already: put that back afterwards
+        self._restore.append((owner, name, had, vars(owner).get(name)))
+        setattr(owner, name, wrapper_factory(original))
+
+    def __enter__(self) -> "Swaps":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for owner, name, had, previous in reversed(self._restore):
+            if had:
+                setattr(owner, name, previous)
+            else:
+                delattr(owner, name)
+        self._restore.clear()
 
 
 def keep_forward_actions(schedule: Any) -> None:

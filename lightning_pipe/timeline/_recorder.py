@@ -48,7 +48,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 import torch.distributed as dist
 
-from lightning_pipe._compat.torch import P2P_POST, P2P_WAIT, SCHEDULE_LOSS_METHOD, schedule_stages
+from lightning_pipe._compat.torch import P2P_POST, P2P_WAIT, SCHEDULE_LOSS_METHOD, Swaps, schedule_stages
 from lightning_pipe.timeline._report import _LETTER, Event
 
 _STAGE_OPS = {  # getter -> (direction, payload)
@@ -132,44 +132,31 @@ class TimelineRecorder:
         self._sync = _device_sync(self.device)
         distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank(self.group) if distributed else 0
-        restore: list[tuple[Any, str, bool, Any]] = []  # (owner, name, had_instance_attr, previous)
-
-        def install(owner: Any, name: str, wrapper_factory: Callable[[Callable], Callable]) -> None:
-            original = getattr(owner, name, None)
-            if original is None:
-                return  # not in this torch release: skip, record less
-            had = name in vars(owner)  # already an instance (or module) attribute: put that back afterwards
-            restore.append((owner, name, had, vars(owner).get(name)))
-            setattr(owner, name, wrapper_factory(original))
-
         _tracing = True
         try:
-            for stage in stages:
-                index = int(stage.stage_index)
-                install(stage, "forward_one_chunk", lambda f, s=index: self._wrap_forward(f, s))
-                install(stage, "backward_one_chunk", lambda f, s=index: self._wrap_backward(f, s))
-                install(stage, "backward_weight_one_chunk", lambda f, s=index: self._wrap_weight(f, s))
-                for getter, (direction, payload) in _STAGE_OPS.items():
-                    install(stage, getter, lambda f, s=index, d=direction, p=payload: self._wrap_getter(f, s, d, p))
-            if schedule is not None and getattr(schedule, "_loss_fn", None) is not None:
-                install(schedule, SCHEDULE_LOSS_METHOD, self._wrap_loss)
-            import torch.distributed.pipelining.schedules as torch_schedules
-            install(torch_schedules, P2P_POST, self._wrap_post)
-            install(torch_schedules, P2P_WAIT, self._wrap_wait)
-            if distributed:
-                _barrier(self.group, self.device)
-            self._origin = time.perf_counter_ns()
-            try:
-                yield self
-            finally:
-                end = time.perf_counter_ns()
-                self._add("step", "step", None, None, t0=self._origin, t1=end)
+            with Swaps() as swaps:
+                for stage in stages:
+                    index = int(stage.stage_index)
+                    swaps.wrap(stage, "forward_one_chunk", lambda f, s=index: self._wrap_forward(f, s))
+                    swaps.wrap(stage, "backward_one_chunk", lambda f, s=index: self._wrap_backward(f, s))
+                    swaps.wrap(stage, "backward_weight_one_chunk", lambda f, s=index: self._wrap_weight(f, s))
+                    for getter, (direction, payload) in _STAGE_OPS.items():
+                        swaps.wrap(stage, getter,
+                                   lambda f, s=index, d=direction, p=payload: self._wrap_getter(f, s, d, p))
+                if schedule is not None and getattr(schedule, "_loss_fn", None) is not None:
+                    swaps.wrap(schedule, SCHEDULE_LOSS_METHOD, self._wrap_loss)
+                import torch.distributed.pipelining.schedules as torch_schedules
+                swaps.wrap(torch_schedules, P2P_POST, self._wrap_post)
+                swaps.wrap(torch_schedules, P2P_WAIT, self._wrap_wait)
+                if distributed:
+                    _barrier(self.group, self.device)
+                self._origin = time.perf_counter_ns()
+                try:
+                    yield self
+                finally:
+                    end = time.perf_counter_ns()
+                    self._add("step", "step", None, None, t0=self._origin, t1=end)
         finally:
-            for owner, name, had, previous in reversed(restore):
-                if had:
-                    setattr(owner, name, previous)
-                else:
-                    delattr(owner, name)
             _tracing = False
             self._op_labels.clear()
             self._work_labels.clear()
