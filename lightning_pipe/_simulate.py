@@ -21,6 +21,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Optional
 
+#: The cost model's constants, shared by ``schedule="auto"`` (``_step/auto.py``) and the planner (``plan/``):
+#: seconds the runtime spends around each action of a schedule (posting transfers, the step's bookkeeping), which makes
+#: ever more microbatches cost more (``benchmarks/predicted.py`` fits it on CPU processes; ``schedule="auto"`` refits it
+#: on the steps it times). The planner's costs may have no unit (parameter counts): its ``microbatch_overhead`` is the
+#: same cost as a fraction of the ideal step time, two actions per microbatch and stage.
+ACTION_OVERHEAD_S = 1e-3
+MICROBATCH_OVERHEAD = 0.01
+#: Copies of each parameter's bytes that training holds besides the weight: its gradient and two optimizer moments
+#: (Adam).
+OPTIMIZER_COPIES = 3.0
+
 
 @dataclass(frozen=True)
 class StageCosts:
@@ -221,3 +232,23 @@ def _cost(action: object, stages: Sequence[StageCosts]) -> float:
     if kind == "I":
         return 0.0 if s == 0 else c.input_grad  # the first stage's backward all runs with its weight gradient
     return c.input_grad + c.weight_grad if s == 0 else c.weight_grad
+
+
+def peak_memory(
+    rank_stages: Sequence[Sequence[int]],
+    in_flight: Sequence[int],
+    stage_parameter_bytes: Sequence[float],
+    stage_activation_bytes: Sequence[float],
+    optimizer_copies: float = OPTIMIZER_COPIES,
+) -> tuple[float, float]:
+    """``(state, activations)`` bytes of the process that needs the most in total: its stages' parameters with their
+    gradients and optimizer state (``1 + optimizer_copies`` copies), and the activations of the microbatches each of
+    its stages holds at once in the schedule's own order (``in_flight``, from :func:`simulate`; the activation bytes
+    are one microbatch's). ``rank_stages[r]`` are the stages of process ``r``."""
+    best = (0.0, 0.0)
+    for stages in rank_stages:
+        state = sum(stage_parameter_bytes[s] for s in stages) * (1 + optimizer_copies)
+        activation = sum(in_flight[s] * stage_activation_bytes[s] for s in stages)
+        if state + activation > sum(best):
+            best = (state, activation)
+    return best

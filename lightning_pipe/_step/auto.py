@@ -8,10 +8,11 @@ on real batches without changing what is trained.
    bytes its forward saves are measured on one microbatch of the first batch (``_model/profile.py``). For every
    candidate (each schedule with its stages per process, times each microbatch count the batch splits into), the
    stages' costs are summed over the blocks the cut would give them, scaled to the candidate's microbatch size, and
-   :func:`lightning_pipe.plan.simulate` plays torch's order of actions for that schedule against them, with
-   :data:`ACTION_OVERHEAD_S` per action. The same play counts the microbatches each stage holds at once, which with
-   the saved bytes and four copies of the parameters (weights, gradients, two optimizer moments) gives the peak
-   memory of the fullest process. Candidates over ``max_memory`` (on a GPU, its memory if not given) are dropped.
+   :func:`lightning_pipe._simulate.simulate` plays torch's order of actions for that schedule against them, with
+   :data:`~lightning_pipe._simulate.ACTION_OVERHEAD_S` per action. The same play counts the microbatches each stage
+   holds at once, which with the saved bytes and four copies of the parameters (weights, gradients, two optimizer
+   moments) gives the peak memory of the fullest process (:func:`~lightning_pipe._simulate.peak_memory`). The planner
+   (``plan/``) predicts with the same module and constants: one cost model below both. Candidates over ``max_memory`` (on a GPU, its memory if not given) are dropped.
 2. **Cut** for the best prediction's placement (looped or V-shaped, its stages per process): one cut serves every
    schedule with that placement.
 3. **Time** (:class:`Trial`) the best :data:`TIMED` candidates of that placement on the first training steps,
@@ -41,23 +42,17 @@ import torch.distributed as dist
 
 from lightning_pipe._bytes import format_bytes
 from lightning_pipe._compiled import compiled
-from lightning_pipe._simulate import StageCosts, simulate
+from lightning_pipe._simulate import ACTION_OVERHEAD_S, StageCosts, peak_memory, simulate
 from lightning_pipe._step.microbatches import default_num_microbatches, divisors, largest_divisor_at_most
 from lightning_pipe.partition import StageLayout
 from lightning_pipe.schedules import SCHEDULE_NAMES, schedule_spec
 
 log = logging.getLogger(__name__)
 
-#: Seconds the runtime spends around each action of a schedule (posting transfers, the step's bookkeeping): what
-#: makes ever more microbatches cost more. ``benchmarks/predicted.py`` fits it on CPU processes; the timed steps
-#: correct for it wherever it is off.
-ACTION_OVERHEAD_S = 1e-3
 #: Candidates timed on the first training steps, and steps each: the first of a candidate builds its schedule. At
 #: most ``EXTRA`` more are timed when the model refitted on those times puts them ahead. The run's first ``LEAD``
 #: steps (the allocator and the data loader warming up) are not timed.
 TIMED, WARMUP, STEPS, EXTRA, LEAD = 3, 1, 2, 2, 1
-#: Copies of each parameter's bytes a process holds: the weight, its gradient and two optimizer moments (Adam).
-PARAMETER_COPIES = 4
 #: Microbatch counts tried at most, those nearest the default rule's count.
 MAX_COUNTS = 5
 #: Rows of the logged table: the timed candidates, then the best predicted of the others.
@@ -205,12 +200,11 @@ def _predicted(config: Config, layout: StageLayout, costs: Sequence[Any], params
         stages.append(StageCosts(*(scale * sum(getattr(b, n) for b in blocks)
                                    for n in ("forward", "input_grad", "weight_grad"))))
         saved.append(scale * sum(b.saved_bytes for b in blocks))
-        held.append(PARAMETER_COPIES * sum(params[start:stop]))
+        held.append(sum(params[start:stop]))
     run = simulate(config.schedule, layout.pipeline_size, m, stages, overhead=ACTION_OVERHEAD_S)
     base = simulate(config.schedule, layout.pipeline_size, m, stages).step_time
-    memory = max(
-        sum(held[s] + run.in_flight[s] * saved[s] for s in layout.rank_stages(r)) for r in range(layout.pipeline_size)
-    )
+    ranks = [layout.rank_stages(r) for r in range(layout.pipeline_size)]
+    memory = sum(peak_memory(ranks, run.in_flight, held, saved))
     return Candidate(config, run.step_time, run.bubble, int(memory), base=base,
                      slope=(run.step_time - base) / ACTION_OVERHEAD_S)
 

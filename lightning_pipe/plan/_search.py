@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Optional, Union
 
 from lightning_pipe._bytes import format_bytes
-from lightning_pipe._simulate import StageCosts, simulate
+from lightning_pipe._simulate import MICROBATCH_OVERHEAD, OPTIMIZER_COPIES, StageCosts, peak_memory, simulate
 from lightning_pipe._step.microbatches import check_positive, divisors, valid_num_microbatches
 from lightning_pipe.partition import StageLayout, split_sizes
 from lightning_pipe.plan._model import backbone_profile
@@ -46,8 +46,8 @@ def search_plans(
     pipeline_parallel_size: Optional[int] = None,
     schedules: Sequence[str] = PLANNED_SCHEDULES,
     interleaved_stages_per_rank: int = 2,
-    optimizer_multiplier: float = 3.0,
-    microbatch_overhead: float = 0.01,
+    optimizer_multiplier: float = OPTIMIZER_COPIES,
+    microbatch_overhead: float = MICROBATCH_OVERHEAD,
     devices_per_node: Optional[int] = None,
     max_tensor_parallel: int = 8,
     tensor_divisor: Optional[int] = None,
@@ -275,9 +275,9 @@ def _all_plans(
                 memory = state = activation = None
                 fits = True
                 if measured:
-                    state, activation = _peak_memory(
-                        layout, run.in_flight, rows, stage_weights, stage_acts,
-                        optimizer_multiplier=optimizer_multiplier,
+                    state, activation = peak_memory(
+                        [layout.rank_stages(r) for r in range(p)], run.in_flight, stage_weights,
+                        [a * rows for a in stage_acts], optimizer_copies=optimizer_multiplier,
                     )
                     memory = state + activation
                     if activation_bytes is None:
@@ -311,27 +311,6 @@ def _all_plans(
         )
     plans.sort(key=_rank_key)
     return plans
-
-
-def _peak_memory(
-    layout: StageLayout,
-    in_flight: Sequence[int],
-    rows: float,
-    stage_weights: list[float],
-    stage_acts: list[float],
-    optimizer_multiplier: float,
-) -> tuple[float, float]:
-    """``(state, activations)`` bytes of the process that needs the most in total: its stages' weights with their
-    gradients and optimizer state, and the activations of the microbatches each of its stages holds at once in the
-    schedule's own order (``in_flight``, from :func:`simulate`)."""
-    best = (0.0, 0.0)
-    for r in range(layout.pipeline_size):
-        stages = layout.rank_stages(r)
-        state = sum(stage_weights[s] for s in stages) * (1 + optimizer_multiplier)
-        activation = sum(in_flight[s] * stage_acts[s] * rows for s in stages)
-        if state + activation > sum(best):
-            best = (state, activation)
-    return best
 
 
 def _fractions(cost_split: Sequence[Any], n: int) -> list[tuple[float, float, float]]:
