@@ -182,6 +182,24 @@ class _Starts(Callback):
         self.starts.append(time.perf_counter())
 
 
+class _Profile(Callback):
+    """``--profile DIR``: cProfile of each rank's timed steps (after the warm-up), to ``DIR/rank<r>.prof``."""
+
+    def __init__(self, directory: str, warmup: int) -> None:
+        import cProfile
+
+        self.directory, self.warmup, self.profile = directory, warmup, cProfile.Profile()
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if batch_idx == self.warmup:
+            self.profile.enable()
+
+    def on_train_end(self, trainer: Any, *args: Any) -> None:
+        self.profile.disable()
+        os.makedirs(self.directory, exist_ok=True)
+        self.profile.dump_stats(os.path.join(self.directory, f"rank{trainer.global_rank}.prof"))
+
+
 def run_strategy(args: argparse.Namespace, out: str) -> None:
     torch.set_num_threads(1)
     spec = SCHEDULES[args.schedule]
@@ -192,7 +210,8 @@ def run_strategy(args: argparse.Namespace, out: str) -> None:
     starts = _Starts()
     trainer = L.Trainer(accelerator="cpu", devices=args.pp, strategy=strategy, max_steps=len(_batches(args)),
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, callbacks=[starts], use_distributed_sampler=False)
+                        enable_model_summary=False, use_distributed_sampler=False,
+                        callbacks=[starts] + ([_Profile(args.profile, args.warmup)] if args.profile else []))
     trainer.fit(_model(args), torch.utils.data.DataLoader(_batches(args), batch_size=None))
     if trainer.global_rank == 0:
         with open(out, "w") as f:
@@ -207,8 +226,8 @@ def _median_step(starts: list[float], warmup: int) -> float:
 def _variant(args: argparse.Namespace, variant: str, schedule: str) -> float:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
-        flags = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in ("schedules", "variant",
-                                                                                            "out", "schedule")]
+        flags = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
+                 if k not in ("schedules", "variant", "out", "schedule") and v is not None]
         cmd = [sys.executable, os.path.abspath(__file__), f"--variant={variant}", f"--schedule={schedule}",
                f"--out={out}", *flags]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -236,6 +255,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--timeout", type=int, default=600)
+    p.add_argument("--profile", default=None, help="directory for a cProfile of each rank's timed steps (strategy)")
     args = p.parse_args()
     if args.variant == "torch":
         return run_torch(args, args.out)
