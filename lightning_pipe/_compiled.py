@@ -8,12 +8,19 @@ A block the user compiled in ``configure_model`` is recognised and not compiled 
 ghosts with dynamo forced eager (``_setup.py``), so nothing compiled ever traces a ghost.
 
 The schedules that split each backward into an input-gradient and a later weight-gradient action
-(``InterleavedZeroBubble``, ``ZBVZeroBubble``, ``DualPipeV``) cannot run a compiled block: its backward is one
-compiled graph that computes both gradients at once, and torch's stage then fails in backward ("compiled with
-non-empty donated buffers") or computes the weight gradient twice (pytorch#161904, torchtitan#3584). Keeping the
-weight gradients outside the compiled graph would be exact, but is not built; so a compiled block under such a
-schedule is refused at setup on every rank, naming the schedules that work, and ``schedule="auto"`` weighs only
-those. Nothing falls back to eager silently.
+(``InterleavedZeroBubble``, ``ZBVZeroBubble``, ``DualPipeV``) cannot split a compiled block's backward: it is one
+compiled graph that computes both gradients at once. torch's input action keeps the graph for the weight action
+(``retain_graph=True``), which a compiled backward with donated buffers refuses ("compiled with non-empty donated
+buffers"), and without donated buffers the weight action would run the whole compiled backward a second time
+(pytorch#161904, torchtitan#3584). So a stage that holds compiled blocks runs its **whole backward in its input
+action**, with ``retain_graph=False``, and its weight action has nothing left to do (``ReducingStage.whole_backward``
+in ``_step/pipeline.py``). That is exact: every gradient is the one the unsplit backward computes, accumulated over
+the microbatches in the same order (the weight actions of a stage run in the order of its input actions). What is
+lost is the schedule's gain: the weight gradients no longer fill the bubble, so these schedules run about as
+1F1B or Interleaved1F1B do, and a warning says so at setup. The first stage is unchanged: torch runs its whole
+backward in the weight action already (it has no input gradient to send). ``schedule="auto"`` weighs only the
+schedules that do not split the backward when blocks are compiled: its cost model would credit the others with the
+gain. Nothing falls back to eager.
 """
 
 from __future__ import annotations
@@ -26,18 +33,17 @@ def compiled(block: Any) -> bool:
     return getattr(block, "_compiled_call_impl", None) is not None or hasattr(block, "_orig_mod")
 
 
-def compiled_zero_bubble(schedule: str, what: str) -> str:
-    """The refusal of a schedule that splits the backward with compiled blocks ([Note: compiled blocks])."""
+def compiled_stages(backbone: Any, bounds: dict[int, tuple[int, int]]) -> frozenset[int]:
+    """The stages of ``bounds`` (``{stage: (start, stop)}`` of backbone indices) that hold a compiled block."""
+    return frozenset(s for s, (start, stop) in bounds.items() if any(compiled(backbone.module(i))
+                                                                     for i in range(start, stop)))
+
+
+def whole_backward_warning(schedule: str) -> str:
+    """What a run of a schedule that splits the backward with compiled blocks is told ([Note: compiled blocks])."""
     return (
-        f"`PipelineStrategy(schedule={schedule!r})` splits each block's backward into an input- and a weight-gradient"
-        f" step, which torch cannot do for a compiled block ({what}; pytorch#161904). Use `schedule='1F1B'`,"
-        " 'Interleaved1F1B', 'GPipe' or 'LoopedBFS' with compiled blocks, `schedule='auto'` (which then weighs only"
-        " those), or leave the blocks uncompiled."
+        f"`PipelineStrategy(schedule={schedule!r})` with compiled blocks: torch cannot split a compiled block's"
+        " backward into its input- and weight-gradient parts (pytorch#161904), so each stage with compiled blocks runs"
+        " its whole backward in its input-gradient action. Training is exact, but the weight gradients no longer fill"
+        " the bubble: 'Interleaved1F1B' or '1F1B' run as fast with compiled blocks."
     )
-
-
-def refuse_compiled_zero_bubble(schedule: Any, blocks: list[Any]) -> None:
-    """Blocks compiled by the user (``block.compile()`` in ``configure_model``) under a schedule that splits the
-    backward: refused on every rank, naming the fix ([Note: compiled blocks])."""
-    if schedule.splits_backward and any(compiled(b) for b in blocks):
-        raise ValueError(compiled_zero_bubble(schedule.name, "blocks compiled with `Module.compile()`"))

@@ -65,14 +65,6 @@ class NeverCalls(models.TinyLM):
         return torch.zeros((), requires_grad=True)
 
 
-class CompiledBlocks(models.TinyLM):
-    """Blocks compiled as Lightning's docs advise (``block.compile()`` in ``configure_model``)."""
-
-    def configure_model(self) -> None:
-        for block in self.backbone[1:-2]:
-            block.compile()
-
-
 class FrozenOutside(models.TinyLM):
     def __init__(self) -> None:
         super().__init__()
@@ -96,8 +88,6 @@ class FrozenOutside(models.TinyLM):
          r"needs 2 \* 1 = 2 processes, but the Trainer runs 1"),
         (CallsTwice, {"num_microbatches": 2}, 8, BackboneCallError, "runs each backbone block exactly once per step"),
         (NeverCalls, {}, 8, BackboneCallError, "without calling the pipelined backbone"),
-        (CompiledBlocks, {"schedule": "InterleavedZeroBubble"}, 8, ValueError,
-         r"cannot do for a compiled block \(blocks compiled with `Module.compile\(\)`.*schedule='1F1B'"),
     ],
 )
 def test_bad_input_is_refused(model, strategy, batch_size, error, match):
@@ -131,7 +121,6 @@ def test_parameters_outside_the_backbone_are_kept_trainable_or_frozen():
         ({"balance": "flops"}, r"balance='flops'\)` is unknown"),
         ({"stall_timeout": 0}, r"stall_timeout=0\)` must be a positive number of seconds, a `timedelta`"),
         ({"check_data_every_n_batches": 0}, r"check_data_every_n_batches=0\)` must be a positive integer, or None"),
-        ({"schedule": "ZBVZeroBubble", "compile": True}, r"cannot do for a compiled block \(`compile=True`"),
         ({"compile": "yes"}, r"compile='yes'\)` must be `True`, `False`, or a dict"),
     ],
 )

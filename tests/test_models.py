@@ -74,6 +74,10 @@ TWO = [
     # compile=: every block compiled (aot_eager: Inductor's C++ builds would dominate CI's 2 cores), against eager
     case("llama_compiled", "hf_llama", {"num_microbatches": 4, "schedule": "Interleaved1F1B", "compile": COMPILE},
          trainer=ACCUM, fns=["fit", "validate"]),
+    # compiled blocks under a schedule that splits the backward: each stage's whole backward in its input action;
+    # GPT-2's tied embedding and head both on rank 0 (ZBV's first and last stage)
+    case("gpt2_compiled_zbv", "hf_gpt2", {"num_microbatches": 4, "schedule": "ZBVZeroBubble", "compile": COMPILE},
+         trainer={"gradient_clip_val": 0.5}, data=SMALL),
     case("nanogpt_meta", "nanogpt", {"num_microbatches": 4}, meta_init=True),
     # several tensors cross each stage boundary (docs/models.md, "Encoder-decoders and diffusion transformers")
     case("demo_lm", "demo_lm", {"num_microbatches": 4}, trainer=ACCUM, fns=["fit", "validate", "predict"]),

@@ -12,7 +12,6 @@ from datetime import timedelta
 from typing import Any, Literal, Optional, Union
 
 from lightning_pipe._bytes import parse_bytes
-from lightning_pipe._compiled import compiled_zero_bubble
 from lightning_pipe.partition import BALANCE_MODES
 from lightning_pipe.schedules import ScheduleSpec, schedule_spec
 from lightning_pipe.timeline import TimelineOptions
@@ -159,8 +158,6 @@ def validated_options(
             f"`PipelineStrategy(compile={compile!r})` must be `True`, `False`, or a dict of `torch.compile`'s options"
             " (e.g. `{'mode': 'max-autotune'}`)."
         )
-    if compile is not False and spec.splits_backward and not auto:
-        raise ValueError(compiled_zero_bubble(spec.name, "`compile=True`"))
     return PipelineOptions(
         pipeline_parallel_size=pipeline_parallel_size, data_parallel_size=data_parallel_size,
         num_microbatches=num_microbatches, schedule=spec, stages_per_rank=stages_per_rank, backbone=backbone,

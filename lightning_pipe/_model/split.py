@@ -18,7 +18,6 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torchmetrics import Metric
 
-from lightning_pipe._compiled import refuse_compiled_zero_bubble
 from lightning_pipe._errors import BackboneCallError
 from lightning_pipe._model.backbone import consecutive_candidates, find_backbone
 from lightning_pipe._model.calls import BackboneNotCalledError, Structure
@@ -114,7 +113,6 @@ def split_module(
         costs = measure(backbone, structure, step, args[0], rest=args[1:])
     else:
         costs = _parameter_costs(module, backbone, structure)
-    refuse_compiled_zero_bubble(schedule, [backbone.module(i) for i in range(len(backbone))])
     layout = make_layout(costs, pp, stages_per_rank, balance, style)
     cut = Cut(module, backbone, structure, layout)
     cut.choice = choice

@@ -12,7 +12,8 @@ on real batches without changing what is trained.
    :data:`~lightning_pipe._simulate.ACTION_OVERHEAD_S` per action. The same play counts the microbatches each stage
    holds at once, which with the saved bytes and four copies of the parameters (weights, gradients, two optimizer
    moments) gives the peak memory of the fullest process (:func:`~lightning_pipe._simulate.peak_memory`). The planner
-   (``plan/``) predicts with the same module and constants: one cost model below both. Candidates over ``max_memory`` (on a GPU, its memory if not given) are dropped.
+   (``plan/``) predicts with the same module and constants: one cost model below both. Candidates over
+   ``max_memory`` (on a GPU, its memory if not given) are dropped.
 2. **Cut** for the best prediction's placement (looped or V-shaped, its stages per process): one cut serves every
    schedule with that placement.
 3. **Time** (:class:`Trial`) the best :data:`TIMED` candidates of that placement on the first training steps,

@@ -102,6 +102,9 @@ class ReducingStage(PipelineStage):
     overlap: Optional[ReductionOverlap] = None
     #: The user's ``backward`` override that the last stage's backward runs through ([Note: backward overrides]).
     through_override: Optional[Callable[[Callable[[], Any]], Any]] = None
+    #: The stage holds compiled blocks and the schedule splits the backward: its input-gradient action runs the whole
+    #: backward and its weight-gradient action has nothing left to do ([Note: compiled blocks]).
+    whole_backward: bool = False
 
     def backward_maybe_with_nosync(self, backward_type: Any, bwd_kwargs: dict, *args: Any, **kwargs: Any) -> Any:
         if self.is_last and self.through_override is not None and backward_type in ("full", "input"):
@@ -109,6 +112,13 @@ class ReducingStage(PipelineStage):
         return self._backward(backward_type, bwd_kwargs, *args, **kwargs)
 
     def _backward(self, backward_type: Any, bwd_kwargs: dict, *args: Any, **kwargs: Any) -> Any:
+        if self.whole_backward and backward_type == "input":  # input actions are never a step's last backward
+            whole = dict(bwd_kwargs)
+            if whole["output_grads"] is None:  # the last stage: torch wrapped the loss in a tuple for its input action,
+                whole["stage_output"] = whole["stage_output"][0]  # which its full backward would skip (no gradient)
+            return self._backward_now("full", whole, *args, **kwargs)
+        if self.whole_backward and backward_type == "weight":
+            return (), None
         if backward_type in ("input", "weight"):  # torch's zero-bubble split, corrected (see _compat.torch)
             fix = merged_param_groups() if backward_type == "input" else weight_gradients_keep_graph()
             with fix:
@@ -169,6 +179,8 @@ class StagePipeline:
         #: activation with sequence parallelism
         self.boundary_bytes: dict[int, int] = {}
         self.through_override: Optional[Callable[[Callable[[], Any]], Any]] = None  # set by the runtime
+        #: this rank's stages that hold compiled blocks (set by the runtime; [Note: compiled blocks])
+        self.compiled_stages: frozenset[int] = frozenset()
 
     @property
     def shape_stats(self) -> ShapeStats:
@@ -328,6 +340,7 @@ class StagePipeline:
             stage = ReducingStage(module, index, num_stages, self.device, group=self.group, **kwargs)
             stage.overlap = self.overlap if training else None
             stage.through_override = self.through_override
+            stage.whole_backward = training and self.schedule.splits_backward and index in self.compiled_stages
             stages.append(stage)
         return stages
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, Callable, Optional
@@ -43,6 +44,7 @@ from torch import Tensor, nn
 from lightning_pipe import _watchdog
 from lightning_pipe import timeline as _timeline
 from lightning_pipe._compat.torch import fsdp_hooks_suspended
+from lightning_pipe._compiled import compiled_stages, whole_backward_warning
 from lightning_pipe._errors import BackboneCallError, not_computed_by_last_stage
 from lightning_pipe._fingerprint import differs, fingerprint
 from lightning_pipe._ghost import Ghost, GhostValueError, contains_ghost
@@ -150,6 +152,9 @@ class PipelineRuntime:
         self.overlap = self._overlap(cut, bounds, replicas, scale_group, sharding) if replicas is not None else None
         self.pipeline.overlap = self.overlap
         self.pipeline.through_override = through_override  # [Note: backward overrides]
+        self.pipeline.compiled_stages = compiled_stages(cut.backbone, bounds)  # [Note: compiled blocks]
+        if self.pipeline.compiled_stages and schedule.splits_backward:
+            warnings.warn(whole_backward_warning(schedule.name), stacklevel=2)
         self.pipeline.check_schedule()
         channel = (pp_group, self.pipeline.last_stage_rank, layout.pipeline_size, device)
         self._train_channel, self._eval_channel = LogChannel(*channel), LogChannel(*channel)

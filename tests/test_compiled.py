@@ -1,0 +1,117 @@
+"""Compiled blocks under the schedules that split the backward (zero bubble, DualPipeV): exact against one eager
+device ([Note: compiled blocks]).
+
+Two stages on one process (the boundary is torch's own hand-over, the second stage runs torch's input- and
+weight-gradient actions), clipping and accumulation on, ``aot_eager`` (AOTAutograd's joint graph and its compiled
+backward, without Inductor's C++ builds that would dominate CI's two cores). The cases torch itself gets wrong are
+covered: a weight shared between blocks of both stages (pytorch#180952) and a custom ``autograd.Function`` in a
+block (pytorch#166577).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import lightning as L
+import models
+import pytest
+import torch
+from torch import nn
+
+from lightning_pipe import PipelineStrategy
+
+SPLITTING = ["InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]
+AOT_EAGER = {"backend": "aot_eager"}
+
+
+class _Scale(torch.autograd.Function):
+    """A custom autograd function: ``x * w`` with a hand-written backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        return x * w
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x, w = ctx.saved_tensors
+        return grad * w, (grad * x).sum(dim=tuple(range(grad.dim() - 1)))
+
+
+class ScaledBlock(models.Block):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, models.DIM))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Scale.apply(super().forward(x), self.scale)
+
+
+class UserCompiled(models.TinyLM):
+    """Blocks compiled as Lightning's docs advise (``block.compile()`` in ``configure_model``)."""
+
+    def configure_model(self) -> None:
+        for block in self.backbone[1:-2]:
+            if not hasattr(block, "_compiled_call_impl") or block._compiled_call_impl is None:
+                block.compile(**AOT_EAGER)
+
+
+class SharedAndCustom(models.TinyLM):
+    """Every block ends in a custom ``autograd.Function`` with a weight of its own, and the first and the last block
+    share their MLP's output layer (on two stages: a tied weight)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        for i in range(1, 5):
+            self.backbone[i] = ScaledBlock()
+        self.backbone[4].mlp[2].weight = self.backbone[1].mlp[2].weight
+
+
+def _fitted(model: type, strategy: Any) -> tuple[list[float], dict[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    module, losses = model(), []
+
+    class Losses(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            losses.append(float(outputs["loss"]))
+
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, strategy=strategy, max_steps=2, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[Losses()], gradient_clip_val=0.5,
+        accumulate_grad_batches=2,
+    )
+    trainer.fit(module, models.loader(n=16, batch_size=4))
+    state = {k.replace("._orig_mod", ""): v.detach().clone() for k, v in module.state_dict().items()}
+    return losses, state
+
+
+def _assert_same(got: tuple, want: tuple) -> None:
+    assert len(got[0]) == len(want[0]) == 4
+    assert max(abs(a - b) for a, b in zip(got[0], want[0])) < 1e-5
+    assert set(got[1]) == set(want[1])
+    assert max((got[1][k] - want[1][k]).abs().max().item() for k in want[1]) < 1e-5
+
+
+def _check(model: type, compile: Any, schedule: str, reference: type) -> None:
+    torch.compiler.reset()
+    want = _fitted(reference, "auto")
+    strategy = PipelineStrategy(num_microbatches=2, schedule=schedule, stages_per_rank=2, compile=compile)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = _fitted(model, strategy)
+    assert any("runs its whole backward in its input-gradient action" in str(w.message) for w in caught)
+    _assert_same(got, want)
+
+
+@pytest.mark.parametrize("schedule", SPLITTING)
+def test_compiled_blocks_train_exactly_under_a_split_backward(schedule):
+    """``compile=``: each stage with compiled blocks runs its whole backward in its input-gradient action, and says
+    so; losses and weights equal one eager device's, with a weight shared by blocks of both stages and a custom
+    autograd function in every block."""
+    _check(SharedAndCustom, AOT_EAGER, schedule, SharedAndCustom)
+
+
+def test_blocks_the_user_compiled_train_exactly_under_a_split_backward():
+    """Blocks compiled in ``configure_model`` (``block.compile()``) are recognised, with the same result."""
+    _check(UserCompiled, False, "InterleavedZeroBubble", models.TinyLM)
