@@ -115,3 +115,39 @@ def test_compiled_blocks_train_exactly_under_a_split_backward(schedule):
 def test_blocks_the_user_compiled_train_exactly_under_a_split_backward():
     """Blocks compiled in ``configure_model`` (``block.compile()``) are recognised, with the same result."""
     _check(UserCompiled, False, "InterleavedZeroBubble", models.TinyLM)
+
+
+def test_lengths_that_change_compile_once_more_and_stay_exact():
+    """Batches of 6 sequence lengths: dynamo compiles the block once static, then once with the length dynamic
+    (2 graphs in all, however many lengths follow), and the run equals one eager device's."""
+    from torch._dynamo.utils import counters
+    from torch.utils.data import DataLoader
+
+    lengths = [5, 9, 12, 7, 16, 3]
+    batches = [(x, x) for x in (torch.randint(0, models.VOCAB, (4, t), generator=torch.Generator().manual_seed(t))
+                                for t in lengths)]
+
+    def fitted(strategy: Any) -> tuple[list[float], dict[str, torch.Tensor]]:
+        torch.manual_seed(0)
+        module, losses = models.TinyLM(), []
+
+        class Losses(L.Callback):
+            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+                losses.append(float(outputs["loss"]))
+
+        trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=len(lengths), logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                            callbacks=[Losses()])
+        trainer.fit(module, DataLoader(batches, batch_size=None))
+        return losses, {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+    want = fitted("auto")
+    torch.compiler.reset()
+    counters.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = fitted(PipelineStrategy(num_microbatches=2, schedule="ZBVZeroBubble", compile=AOT_EAGER))
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
+    assert len(got[0]) == len(want[0]) == len(lengths)
+    assert max(abs(a - b) for a, b in zip(got[0], want[0])) < 1e-5
+    assert max((got[1][k] - want[1][k]).abs().max().item() for k in want[1]) < 1e-5
