@@ -40,7 +40,12 @@ from lightning_pipe._lightning.options import Size as _Size
 from lightning_pipe._lightning.options import option_arguments, validated_options
 from lightning_pipe._lightning.parallel_dims import ParallelDims
 from lightning_pipe._lightning.precision import pipeline_precision
-from lightning_pipe._lightning.processes import end_launched_processes, launched_processes, start_process_group
+from lightning_pipe._lightning.processes import (
+    end_launched_processes,
+    launched_processes,
+    name_first_failure,
+    start_process_group,
+)
 from lightning_pipe._model.configure_model import ConfigureModelCalls, recording
 from lightning_pipe._model.cut import drop_ghosts
 from lightning_pipe._model.tensor_parallel import TensorParallelPlan
@@ -476,6 +481,7 @@ class PipelineStrategy(ModuleAfterCall, WatchedCollectives, ParallelStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         self._failed = True
+        name_first_failure(exception, self.global_rank, self.world_size)  # [Note: the first failure, named]
         end_launched_processes(self.launcher, exception, self.global_rank)
 
     @override

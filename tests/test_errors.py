@@ -156,6 +156,9 @@ def test_an_exception_in_one_stage_ends_the_job(case, tmp_path):
     proc = run_script([str(HERE / "bad_job.py"), case], cwd=tmp_path, timeout=120)
     assert proc.returncode != 0
     assert "user error on rank" in proc.stdout, proc.stdout[-4000:]
+    if case == "raise-last":  # rank 0 fails after it in a transfer: its error names rank 1 and what it raised
+        assert "rank 1 failed first, and this rank failed after it: RuntimeError: user error on rank 1" in (
+            proc.stdout), proc.stdout[-4000:]
     assert time.monotonic() - start < 60
 
 

@@ -198,6 +198,7 @@ PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     ("lightning.pytorch.callbacks", "BaseFinetuning._restarting"),
     ("lightning.pytorch.callbacks", "BaseFinetuning._internal_optimizer_metadata"),
     # torch: process groups and distributed checkpoints
+    ("torch.distributed.distributed_c10d", "_get_default_store"),  # .torch.job_store: failures named on rank 0
     ("torch.distributed", "ProcessGroupGloo._Options"),
     ("torch.distributed", "ProcessGroupGloo._Options._timeout"),
     ("torch.distributed.checkpoint.default_planner", "_EmptyStateDictLoadPlanner"),

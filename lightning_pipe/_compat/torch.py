@@ -148,6 +148,22 @@ P2P_WAIT = "_wait_batch_p2p"
 SCHEDULE_LOSS_METHOD = "_maybe_compute_loss"
 
 
+def job_store() -> Optional[Any]:
+    """The key-value store every process of the job shares (the default process group's, which rank 0's process
+    serves), or ``None`` before the process group exists: where a failing rank leaves its error for the others
+    (:mod:`lightning_pipe._lightning.processes`). torch has no public handle on it."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    try:
+        return _get_default_store()
+    except (RuntimeError, ValueError):
+        return None
+
+
 class Swaps:
     """Wrappers over attributes of torch's pipelining objects (a stage's ``forward_one_chunk``, a schedule's
     ``_maybe_compute_loss``, the schedules module's ``_batch_p2p``), all put back on exit, also on error, in the

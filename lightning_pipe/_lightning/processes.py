@@ -3,12 +3,13 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
 import time
 import traceback
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device
@@ -16,9 +17,12 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
 from lightning_pipe._compat.lightning import init_process_group
+from lightning_pipe._compat.torch import job_store
 
 #: How long a failing rank 0 gives the ranks it launched to fail on their own (and say why) before it ends them.
 GRACE_S = 3.0
+#: Where a failing rank leaves its error in the job's store ([Note: the first failure, named]).
+FAILED_KEY = "lightning_pipe/failed/"
 
 
 def launched_processes(launcher: Any) -> list[Any]:
@@ -27,6 +31,69 @@ def launched_processes(launcher: Any) -> list[Any]:
     if isinstance(launcher, _SubprocessScriptLauncher):
         return list(launcher.procs)
     return []
+
+
+def record_failure(exception: BaseException, rank: int) -> Optional[float]:
+    """Leave ``exception`` in the job's store under this rank, with when it happened ([Note: the first failure,
+    named]); returns that time, or ``None`` without a store."""
+    store = job_store()
+    if store is None:
+        return None
+    when = time.time()
+    text = "".join(traceback.format_exception_only(type(exception), exception)).strip()
+    try:
+        store.set(f"{FAILED_KEY}{rank}", json.dumps({"time": when, "error": text[-2000:]}))
+    except Exception:
+        return None
+    return when
+
+
+def name_first_failure(exception: BaseException, rank: int, world_size: int) -> None:
+    """[Note: the first failure, named] When one rank fails, the others fail after it in a transfer or a collective
+    with the process group's own words ("Connection closed by peer"), which name neither the rank nor the cause.
+    Each failing rank leaves its error in the job's store (:func:`record_failure`); then one whose own error is such a
+    consequence looks, for up to :data:`GRACE_S`, for a rank that failed before it, and adds that rank and its
+    exception to its own exception as a note: rank 0's traceback, the one users read, names the failing rank and what
+    it raised. A rank whose error is its own (the user's code, a refusal) only looks once, without waiting."""
+    since = record_failure(exception, rank)
+    store = job_store()
+    if since is None or store is None or world_size < 2:
+        return
+    wait = GRACE_S if _after_a_peer(exception) else 0.0
+    keys = [f"{FAILED_KEY}{r}" for r in range(world_size) if r != rank]
+    deadline = time.monotonic() + wait
+    first: Optional[tuple[float, int, str]] = None
+    while first is None:
+        try:
+            for key in keys:
+                if store.check([key]):
+                    record = json.loads(store.get(key))
+                    if record["time"] <= since and (first is None or record["time"] < first[0]):
+                        first = (record["time"], int(key.rsplit("/", 1)[1]), record["error"])
+        except Exception:
+            return
+        if first is not None or time.monotonic() >= deadline:
+            break
+        time.sleep(0.05)
+    if first is None:
+        return
+    note = f"[lightning_pipe] rank {first[1]} failed first, and this rank failed after it: {first[2]}"
+    if hasattr(exception, "add_note"):
+        exception.add_note(note)
+    elif exception.args and isinstance(exception.args[0], str):  # Python 3.10: no notes
+        exception.args = (f"{exception.args[0]}\n{note}", *exception.args[1:])
+
+
+def _after_a_peer(exception: BaseException) -> bool:
+    """Whether ``exception`` is what a rank raises when another one failed: the process group's own error."""
+    import torch.distributed as dist
+
+    if isinstance(exception, (dist.DistError, dist.DistBackendError)):
+        return True
+    text = str(exception)
+    return isinstance(exception, RuntimeError) and any(
+        words in text for words in ("Connection closed by peer", "Connection reset by peer", "gloo", "NCCL")
+    )
 
 
 def end_launched_processes(launcher: Any, exception: BaseException, rank: int) -> None:
