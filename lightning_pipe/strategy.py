@@ -42,6 +42,7 @@ from lightning_pipe._lightning.parallel_dims import ParallelDims
 from lightning_pipe._lightning.precision import pipeline_precision
 from lightning_pipe._lightning.processes import (
     end_launched_processes,
+    forget_failure,
     launched_processes,
     name_first_failure,
     start_process_group,
@@ -336,6 +337,7 @@ class PipelineStrategy(ModuleAfterCall, WatchedCollectives, ParallelStrategy):
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         self._release_split_guard()
+        forget_failure(self.global_rank)  # [Note: the first failure, named]
         args = SetupArgs(
             self._options, self.dims, self._configured, self.precision_plugin, self.root_device,
             batch_to_device=self.batch_to_device, tie_groups=self._tie_groups, timeout=self._timeout,

@@ -48,6 +48,17 @@ def record_failure(exception: BaseException, rank: int) -> Optional[float]:
     return when
 
 
+def forget_failure(rank: int) -> None:
+    """A Trainer call starts: an error this rank left in an earlier call (which a script caught) is no cause of the
+    failures of this one."""
+    store = job_store()
+    if store is not None:
+        try:
+            store.delete_key(f"{FAILED_KEY}{rank}")
+        except Exception:
+            pass
+
+
 def name_first_failure(exception: BaseException, rank: int, world_size: int) -> None:
     """[Note: the first failure, named] When one rank fails, the others fail after it in a transfer or a collective
     with the process group's own words ("Connection closed by peer"), which name neither the rank nor the cause.
