@@ -19,6 +19,7 @@ from lightning_pipe.timeline import TimelineOptions
 
 if TYPE_CHECKING:
     from torch import nn
+    from torch.distributed.device_mesh import DeviceMesh
 
 Size = Union[int, Literal["auto"]]
 DataParallel = Literal["ddp", "fsdp", "hsdp"]
@@ -48,7 +49,8 @@ class PipelineOptions:
     data_parallel_shard_size: Size = "auto"
     reshard_after_forward: bool = False
     tensor_parallel_size: int = 1
-    tensor_parallel_plan: Any = None
+    #: ``_model.tensor_parallel.TensorParallelPlan``, spelled out (that module is in a higher layer than this one)
+    tensor_parallel_plan: Union[None, str, dict, Callable[[nn.Module, DeviceMesh], None]] = None
     #: ``schedule="auto"``: ``schedule`` and ``stages_per_rank`` are placeholders until setup chooses
     #: ([Note: configuration by measurement])
     auto: bool = False
@@ -74,7 +76,7 @@ def validated_options(
     data_parallel_shard_size: Size = "auto",
     reshard_after_forward: bool = False,
     tensor_parallel_size: int = 1,
-    tensor_parallel_plan: Any = None,  # a `_model.tensor_parallel.TensorParallelPlan` (a higher layer than this one)
+    tensor_parallel_plan: Union[None, str, dict, Callable[[nn.Module, DeviceMesh], None]] = None,
     max_memory: Union[None, int, str] = None,
     compile: Union[bool, dict] = False,
     keep_split: bool = False,

@@ -15,7 +15,7 @@ import statistics
 import time
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -100,7 +100,7 @@ def measure_backbone(
     step_context: Callable[[], AbstractContextManager],
     repeats: int = 3,
     detail: bool = False,
-) -> Any:
+) -> Union[list[float], list[BlockCost]]:
     """``balance="time"``: every block's forward+backward seconds, measured on global rank 0 on one microbatch of
     the first batch and shared with every rank (a collective). The code before the backbone is counted with the
     first block, the code after it (head, loss) with the last: those stages run it too.
