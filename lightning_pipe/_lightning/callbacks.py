@@ -150,7 +150,7 @@ def global_l1_unstructured(
     alive = mask == 1
     bits = flat[alive].abs().double().view(torch.int64)
 
-    def total(value: int, op: Any = dist.ReduceOp.SUM) -> int:
+    def total(value: int, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> int:
         t = torch.tensor([value], dtype=torch.int64, device=device)
         dist.all_reduce(t, op=op, group=group)
         return int(t.item())
