@@ -8,12 +8,15 @@ stage through the guard.
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 from lightning_pipe._model.whole import SplitGuard, after_call
 from lightning_pipe.checkpoint import _hf
+
+if TYPE_CHECKING:
+    from lightning_pipe._model.cut import Cut
 
 
 class ModuleAfterCall:
@@ -29,11 +32,11 @@ class ModuleAfterCall:
             self._split_guard.release()
             self._split_guard = None
 
-    def _reading_local_stage(self) -> Any:
+    def _reading_local_stage(self) -> AbstractContextManager[None]:
         guard = self._split_guard
         return guard.reading_local_stage() if guard is not None else nullcontext()
 
-    def _leave_module(self, cut: Any, failed: bool) -> None:
+    def _leave_module(self, cut: Cut, failed: bool) -> None:
         """Whole on every rank after the call, or split behind a guard; after a failure the other ranks may be gone,
         so no collective runs and the module stays split."""
         module = self.lightning_module  # type: ignore[attr-defined]

@@ -18,6 +18,7 @@ The optimizers come after, from the strategy (Lightning's ``setup_optimizers``).
 from __future__ import annotations
 
 import functools
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Optional
@@ -39,7 +40,7 @@ from lightning_pipe._lightning.summary import summarize_whole_model
 from lightning_pipe._model.activation_checkpointing import checkpointed_blocks
 from lightning_pipe._model.configure_model import ConfigureModelCalls
 from lightning_pipe._model.cut import Cut, connect_ties
-from lightning_pipe._model.parallelize import ParallelismArgs, data_parallel_mode, parallelize_stage
+from lightning_pipe._model.parallelize import ParallelismArgs, StageParallelism, data_parallel_mode, parallelize_stage
 from lightning_pipe._model.pretrained import read_marked
 from lightning_pipe._model.profile import first_batch, measure_backbone
 from lightning_pipe._model.shard import refuse_unshardable, refuse_user_sharding
@@ -75,7 +76,7 @@ class SetupArgs:
     tie_groups: dict[tuple[int, ...], dist.ProcessGroup]
     timeout: Optional[timedelta]
     sync_batchnorm: bool
-    owner: Any
+    owner: object
 
 
 def build_pipeline(module: pl.LightningModule, trainer: pl.Trainer, args: SetupArgs) -> tuple[PipelineRuntime, bool]:
@@ -144,7 +145,7 @@ def _cut_into_stages(
         )
 
 
-def _step_context(plugin: PipelinePrecision, fitting: bool, trainer: pl.Trainer) -> Any:
+def _step_context(plugin: PipelinePrecision, fitting: bool, trainer: pl.Trainer) -> AbstractContextManager[None]:
     """The precision plugin's context of the steps this ``Trainer`` call runs."""
     if fitting:
         return plugin.train_step_context()
@@ -153,7 +154,7 @@ def _step_context(plugin: PipelinePrecision, fitting: bool, trainer: pl.Trainer)
     return contexts.get(trainer.state.fn, plugin.val_step_context)()
 
 
-def _parallelize(module: pl.LightningModule, cut: Cut, args: SetupArgs) -> Any:
+def _parallelize(module: pl.LightningModule, cut: Cut, args: SetupArgs) -> StageParallelism:
     options, plugin = args.options, args.precision_plugin
     wanted = ParallelismArgs(
         tensor_parallel_plan=options.tensor_parallel_plan, data_parallel=options.data_parallel,

@@ -8,7 +8,8 @@ by helpers that take explicit arguments (splitting, checkpoints, the precision p
 from __future__ import annotations
 
 import logging
-from collections.abc import Generator
+import os
+from collections.abc import Generator, Mapping
 from contextlib import ExitStack, contextmanager, nullcontext
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
@@ -443,7 +444,9 @@ class PipelineStrategy(ModuleAfterCall, WatchedCollectives, ParallelStrategy):
 
     # ------------------------------------------------------------------ checkpoints
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Union[str, os.PathLike], storage_options: Optional[Any] = None
+    ) -> None:
         if storage_options is not None:
             raise TypeError(f"`{type(self).__name__}.save_checkpoint(..., storage_options=...)` is not supported.")
         cut = self.runtime.cut
@@ -456,7 +459,9 @@ class PipelineStrategy(ModuleAfterCall, WatchedCollectives, ParallelStrategy):
                   names=cut.names, layout=stored_layout, is_global_zero=self.is_global_zero, local_states=local_states)
 
     @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+    def load_checkpoint(
+        self, checkpoint_path: Union[str, os.PathLike], weights_only: Optional[bool] = None
+    ) -> dict[str, Any]:
         module = self.lightning_module
         return _dcp.load(
             self.broadcast(checkpoint_path), module=module, optimizers=self.optimizers, names=self.runtime.cut.names,
@@ -467,16 +472,16 @@ class PipelineStrategy(ModuleAfterCall, WatchedCollectives, ParallelStrategy):
         )
 
     @override
-    def remove_checkpoint(self, filepath: Any) -> None:
+    def remove_checkpoint(self, filepath: Union[str, os.PathLike]) -> None:
         if self.is_global_zero:
             _files.remove(filepath)
 
     @override
-    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         """Loaded in place by :meth:`load_checkpoint`."""
 
     @override
-    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         """Loaded in place by :meth:`load_checkpoint`."""
 
     # ------------------------------------------------------------------ teardown

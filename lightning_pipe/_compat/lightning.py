@@ -7,14 +7,25 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
 from lightning_pipe._compat.torch import destroy_process_groups_at_exit
 
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+    from datetime import timedelta
 
-def init_process_group(cluster_environment: Any, backend: str, timeout: Any, device: torch.device) -> None:
+    import lightning.pytorch as pl
+    from lightning.fabric.plugins.environments import ClusterEnvironment
+    from lightning.pytorch.callbacks import Callback, WeightAveraging
+    from torch.optim.swa_utils import AveragedModel
+
+
+def init_process_group(
+    cluster_environment: ClusterEnvironment, backend: str, timeout: Optional[timedelta], device: torch.device
+) -> None:
     """Start the default process group the way Lightning's DDP strategy does, and have every process group
     destroyed when the interpreter exits (:func:`~lightning_pipe._compat.torch.destroy_process_groups_at_exit`)."""
     from lightning.fabric.utilities.distributed import _init_dist_connection
@@ -24,7 +35,7 @@ def init_process_group(cluster_environment: Any, backend: str, timeout: Any, dev
     destroy_process_groups_at_exit()
 
 
-def count_replicas_in_throughput(callbacks: Any, replicas: int) -> None:
+def count_replicas_in_throughput(callbacks: Iterable[Callback], replicas: int) -> None:
     """Make every ``ThroughputMonitor`` scale its per-process figures by the number of pipeline replicas."""
     from lightning.pytorch.callbacks import ThroughputMonitor
 
@@ -34,14 +45,14 @@ def count_replicas_in_throughput(callbacks: Any, replicas: int) -> None:
                 throughput.world_size = replicas
 
 
-def averaged_model_like(callback: Any, module: Any, device: torch.device) -> Any:
+def averaged_model_like(callback: WeightAveraging, module: torch.nn.Module, device: torch.device) -> AveragedModel:
     """The ``AveragedModel`` a ``WeightAveraging`` callback's ``setup`` builds, of ``module``."""
     from torch.optim.swa_utils import AveragedModel
 
     return AveragedModel(model=module, device=device, use_buffers=callback._use_buffers, **callback._kwargs)
 
 
-def keep_loader_order(trainer: Any) -> bool:
+def keep_loader_order(trainer: pl.Trainer) -> bool:
     """Stop Lightning from putting its distributed sampler on the loaders; whether it would have."""
     connector = trainer._accelerator_connector
     would = bool(connector.use_distributed_sampler)
@@ -50,7 +61,7 @@ def keep_loader_order(trainer: Any) -> bool:
 
 
 @contextmanager
-def logging_routed_to(module: Any, log: Callable[..., None]) -> Iterator[None]:
+def logging_routed_to(module: pl.LightningModule, log: Callable[..., None]) -> Iterator[None]:
     """Route ``module.log`` (and so ``module.log_dict``) to ``log`` for the duration of the block."""
     module.log = log
     try:

@@ -7,13 +7,24 @@ import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
 
+if TYPE_CHECKING:
+    from datetime import timedelta
 
-def mesh_group_options(sizes: dict[str, int], world_size: int, backend: str, timeout: Any) -> dict[str, Any]:
+    from torch.distributed.checkpoint import StorageReader
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.pipelining.schedules import PipelineScheduleMulti
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+
+def mesh_group_options(
+    sizes: dict[str, int], world_size: int, backend: str, timeout: Optional[timedelta]
+) -> dict[str, Any]:
     """``init_device_mesh(backend_override=...)`` that gives every sub-group of the mesh the default group's timeout.
 
     ``init_device_mesh`` creates a mesh dimension's groups with the timeout of its backend options, and without
@@ -112,7 +123,9 @@ def _gloo_thread_state() -> Optional[dict[str, tuple[str, str]]]:
     return state
 
 
-def read_dcp_in_one_process(path: Any, keys: Optional[set[str]] = None, storage_reader: Any = None) -> dict[str, Any]:
+def read_dcp_in_one_process(
+    path: Union[str, os.PathLike], keys: Optional[set[str]] = None, storage_reader: Optional[StorageReader] = None
+) -> dict[str, Any]:
     """Every entry of a DCP checkpoint (or those under ``keys``), read in this process alone (no process group),
     through ``storage_reader`` (default: torch's ``FileSystemReader`` of ``path``)."""
     import torch.distributed.checkpoint as dcp
@@ -184,7 +197,7 @@ class Swaps:
     def __enter__(self) -> "Swaps":
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         for owner, name, had, previous in reversed(self._restore):
             if had:
                 setattr(owner, name, previous)
@@ -193,7 +206,7 @@ class Swaps:
         self._restore.clear()
 
 
-def keep_forward_actions(schedule: Any) -> None:
+def keep_forward_actions(schedule: PipelineScheduleMulti) -> None:
     """Make a schedule built from a compute-only action list (the multi-stage ones) run its forward actions only, in
     their order: a forward-only pass."""
     from torch.distributed.pipelining.schedules import FORWARD
@@ -238,26 +251,26 @@ def schedule_stages(schedule: Any) -> Optional[list[Any]]:
 # ghosts (shape probes), which must not all-gather. Checked against torch 2.13, 2.14 and 2.15.
 
 
-def fsdp_state(unit: Any) -> Any:
+def fsdp_state(unit: FSDPModule) -> Any:
     """The ``FSDPState`` of a module ``fully_shard`` was applied to."""
     from torch.distributed.fsdp import fully_shard
 
     return fully_shard.state(unit)  # type: ignore[attr-defined]
 
 
-def fsdp_params(unit: Any) -> list[Any]:
+def fsdp_params(unit: FSDPModule) -> list[Any]:
     """The ``FSDPParam`` objects of a unit (its sharded and unsharded parameters, and its accumulated gradients)."""
     group = fsdp_state(unit)._fsdp_param_group
     return list(group.fsdp_params) if group is not None else []
 
 
-def fsdp_sharded_params(unit: Any) -> list[torch.nn.Parameter]:
+def fsdp_sharded_params(unit: FSDPModule) -> list[torch.nn.Parameter]:
     """The sharded parameters of a unit, whether it is sharded now or not (while unsharded, the module registers its
     unsharded parameters instead)."""
     return [p.sharded_param for p in fsdp_params(unit)]
 
 
-def fsdp_lazy_init(unit: Any) -> None:
+def fsdp_lazy_init(unit: FSDPModule) -> None:
     """Initialise the unit as its own root now, as its first forward would."""
     fsdp_state(unit)._lazy_init()
 
@@ -287,21 +300,21 @@ class fsdp_hooks_suspended:
                     for k in state_hooks:
                         del table[k]
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         for table, before in reversed(self.saved):
             table.clear()
             table.update(before)
         self.saved.clear()
 
 
-def fsdp_defer_reduction(unit: Any) -> None:
+def fsdp_defer_reduction(unit: FSDPModule) -> None:
     """Accumulate this step's microbatch gradients unsharded, with no reduce-scatter and no reshard in backward."""
     unit.set_is_last_backward(False)
     unit.set_reshard_after_backward(False)
     unit.set_requires_gradient_sync(False)
 
 
-def fsdp_scale_unsharded_grads(unit: Any, scale: float) -> None:
+def fsdp_scale_unsharded_grads(unit: FSDPModule, scale: float) -> None:
     """Multiply the unsharded gradients the unit accumulated this step by ``scale`` (before they are reduced)."""
     grads = []
     for p in fsdp_params(unit):
@@ -313,7 +326,7 @@ def fsdp_scale_unsharded_grads(unit: Any, scale: float) -> None:
         torch._foreach_mul_(grads, scale)
 
 
-def fsdp_reduce_now(unit: Any) -> None:
+def fsdp_reduce_now(unit: FSDPModule) -> None:
     """Reduce-scatter (and, for HSDP, all-reduce) the accumulated gradients into the sharded ``.grad`` and reshard,
     as ``PipelineStage.perform_reduce_grad`` does for an ``FSDPModule``."""
     unit.set_is_last_backward(True)
@@ -325,7 +338,9 @@ def fsdp_reduce_now(unit: Any) -> None:
     state._root_post_backward_final_callback()
 
 
-def fsdp_reduce_in_backward(unit: Any, around: Any) -> Any:
+def fsdp_reduce_in_backward(
+    unit: FSDPModule, around: Callable[[Callable[[float], Any]], Any]
+) -> Callable[[], None]:
     """Let ``unit`` reduce-scatter in its own post-backward hook during the next backward, as FSDP does outside a
     pipeline, with ``around(reduce)`` wrapping each call: ``reduce(scale)`` multiplies the accumulated unsharded
     gradients by ``scale`` and runs FSDP's post-backward. Returns the function that puts the unit back to deferred
@@ -338,7 +353,7 @@ def fsdp_reduce_in_backward(unit: Any, around: Any) -> Any:
     for group in groups:
         original = group.post_backward
 
-        def post_backward(*args: Any, _original: Any = original) -> Any:
+        def post_backward(*args: Any, _original: Callable[..., Any] = original) -> Any:
             def reduce(scale: float) -> Any:
                 if scale != 1.0:
                     fsdp_scale_unsharded_grads(unit, scale)
@@ -358,7 +373,7 @@ def fsdp_reduce_in_backward(unit: Any, around: Any) -> Any:
 
 # ---------------------------------------------------------------------------------------------- tensor parallelism
 @contextmanager
-def parallel_styles_recorded(record: Any) -> Iterator[None]:
+def parallel_styles_recorded(record: Callable[[ParallelStyle, torch.nn.Module, DeviceMesh], object]) -> Iterator[None]:
     """Within the block, ``parallelize_module`` (and every other use of torch's own ``ParallelStyle`` classes) records
     ``record(style, module, device_mesh)`` instead of splitting the module: a ``configure_model`` written for
     Lightning's ``ModelParallelStrategy`` runs before the pipeline cut, and the strategy applies what it asked for to
@@ -373,7 +388,7 @@ def parallel_styles_recorded(record: Any) -> Iterator[None]:
     ]
     saved = {c: vars(c)["_apply"] for c in classes}
 
-    def recorded(self: Any, module: Any, device_mesh: Any) -> Any:
+    def recorded(self: ParallelStyle, module: torch.nn.Module, device_mesh: DeviceMesh) -> torch.nn.Module:
         record(self, module, device_mesh)
         return module
 
@@ -388,7 +403,9 @@ def parallel_styles_recorded(record: Any) -> Iterator[None]:
 
 # ---------------------------------------------------------------------------------------------- configure_model's FSDP
 @contextmanager
-def fully_shard_recorded(record: Any) -> Iterator[None]:
+def fully_shard_recorded(
+    record: Callable[[Union[torch.nn.Module, list[torch.nn.Module]], dict[str, Any]], object]
+) -> Iterator[None]:
     """Within the block, ``fully_shard(module, **kwargs)`` records ``record(module, kwargs)`` and leaves the module as
     it is: a ``configure_model`` written for Lightning's ``ModelParallelStrategy`` runs before the pipeline cut, and
     the strategy shards each rank's own stage after it, as that call asked ([Note: configure_model's calls]).
@@ -411,9 +428,11 @@ def fully_shard_recorded(record: Any) -> Iterator[None]:
     if len(cells) != 1:
         raise RuntimeError("lightning_pipe: this torch's `fully_shard` has no inner function to record (2.13-2.15 do).")
     cell, original = cells[0], cells[0].cell_contents
-    touched: list[Any] = []
+    touched: list[torch.nn.Module] = []
 
-    def recorded(module: Any, *args: Any, **kwargs: Any) -> Any:
+    def recorded(
+        module: Union[torch.nn.Module, list[torch.nn.Module]], *args: Any, **kwargs: Any
+    ) -> Union[torch.nn.Module, list[torch.nn.Module]]:
         if args:
             raise TypeError("fully_shard takes its options as keyword arguments")
         modules = [module] if isinstance(module, torch.nn.Module) else list(module)
@@ -432,7 +451,7 @@ def fully_shard_recorded(record: Any) -> Iterator[None]:
             vars(module).get(contract_module.REGISTRY_KEY, {}).pop("fully_shard", None)
 
 
-def checkpoint_wrappers(module: Any) -> list[tuple[Any, str, Any, Any]]:
+def checkpoint_wrappers(module: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.nn.Module, torch.nn.Module]]:
     """``(parent, name, wrapper, wrapped)`` of each ``checkpoint_wrapper`` child in ``module``, outermost first.
     ``CheckpointWrapper`` and its ``_checkpoint_wrapped_module`` live in a private module of torch
     (``torch.distributed.algorithms._checkpoint.checkpoint_wrapper``), the only place ``checkpoint_wrapper`` is

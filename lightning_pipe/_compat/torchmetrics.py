@@ -5,10 +5,13 @@ See :mod:`lightning_pipe._compat`.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from torchmetrics import Metric
 
 
-def compute_without_sync(metric: Any) -> Any:
+def compute_without_sync(metric: Metric) -> Any:
     """``compute()`` on the metric's current state, without syncing across processes, as ``Metric.forward`` does."""
     metric._to_sync, metric._should_unsync, metric._computed = False, False, None
     on_cpu, metric.compute_on_cpu = metric.compute_on_cpu, False

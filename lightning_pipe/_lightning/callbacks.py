@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 from copy import deepcopy
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -41,6 +41,9 @@ from torch.nn.utils import prune as torch_prune
 from lightning_pipe._compat.lightning import averaged_model_like
 from lightning_pipe._fingerprint import differs
 from lightning_pipe._rank_states import marker
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +119,7 @@ def _prune_own_share(
                 " (with the one-process threshold). Use 'l1_unstructured' or `use_global_unstructured=False`."
             )
 
-        def apply(amount: Any, _callback: ModelPruning = callback) -> None:
+        def apply(amount: Union[int, float], _callback: ModelPruning = callback) -> None:
             global_l1_unstructured(_callback._parameters_to_prune, amount, group, device)
 
         callback._apply_global_pruning = apply
@@ -130,7 +133,7 @@ def _registered(module: nn.Module, name: str) -> Optional[nn.Parameter]:
 
 
 def global_l1_unstructured(
-    pairs: list[tuple[nn.Module, str]], amount: Any, group: dist.ProcessGroup, device: torch.device
+    pairs: list[tuple[nn.Module, str]], amount: Union[int, float], group: dist.ProcessGroup, device: torch.device
 ) -> None:
     """``torch.nn.utils.prune.global_unstructured(pairs, L1Unstructured, amount=amount)`` over the pairs of every
     rank of ``group``: the same threshold as over the whole model, found without gathering the weights.
@@ -147,7 +150,7 @@ def global_l1_unstructured(
     alive = mask == 1
     bits = flat[alive].abs().double().view(torch.int64)
 
-    def total(value: int, op: Any = dist.ReduceOp.SUM) -> int:
+    def total(value: int, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> int:
         t = torch.tensor([value], dtype=torch.int64, device=device)
         dist.all_reduce(t, op=op, group=group)
         return int(t.item())
@@ -276,7 +279,7 @@ def merge_finetuning_metadata(checkpoint: dict[str, Any], gather: Callable[[Any]
         callbacks[key] = {**callbacks[key], "internal_optimizer_metadata": merged}
 
 
-def before_restore(trainer: Any, checkpoint: dict[str, Any], module: nn.Module) -> None:
+def before_restore(trainer: Optional[pl.Trainer], checkpoint: dict[str, Any], module: nn.Module) -> None:
     """What callbacks do in ``on_fit_start`` with restored state, which under the pipeline is restored after
     ``on_fit_start`` (the module must be cut before it can load): SWA clears the LR schedulers it will replace, and
     ``BaseFinetuning`` rebuilds the optimizers' parameter groups (this rank's parameters of each)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Union
 
+import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.distributed import _distributed_is_initialized, _sync_ddp_if_available
 from lightning.fabric.utilities.distributed import group as _group
@@ -18,7 +19,7 @@ from lightning_pipe import _watchdog
 class WatchedCollectives:
     """The collectives a Lightning strategy offers, for a strategy with a ``root_device``."""
 
-    root_device: Any
+    root_device: torch.device
 
     def barrier(self, name: Optional[str] = None) -> None:
         if not _distributed_is_initialized():

@@ -7,13 +7,16 @@ replicas only (:func:`sampler_kwargs`). With one replica the strategy, not Light
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, Optional
 
 from lightning.pytorch.utilities.data import _update_dataloader
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
 from lightning_pipe._compat.lightning import keep_loader_order
 from lightning_pipe._lightning.seed import global_seed
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
 
 
 def sampler_kwargs(data_parallel_size: int, data_parallel_rank: int) -> dict[str, Any]:
@@ -22,7 +25,7 @@ def sampler_kwargs(data_parallel_size: int, data_parallel_rank: int) -> dict[str
     return {"num_replicas": data_parallel_size, "rank": data_parallel_rank}
 
 
-def takes_over_sampling(trainer: Any, data_parallel_size: int) -> bool:
+def takes_over_sampling(trainer: pl.Trainer, data_parallel_size: int) -> bool:
     """With one pipeline (no data parallelism), stop Lightning from putting its shuffling distributed sampler on the
     loaders; whether it would have (then :func:`same_order_on_every_stage` decides instead)."""
     return data_parallel_size == 1 and keep_loader_order(trainer)
@@ -49,7 +52,7 @@ def same_order_on_every_stage(dataloader: object) -> object:
     return dataloader
 
 
-def batch_size(loader: Any) -> Any:
+def batch_size(loader: object) -> Optional[int]:
     """The loader's ``batch_size`` (``None`` for one without, e.g. a batch sampler's)."""
     return getattr(loader, "batch_size", None)
 

@@ -8,10 +8,13 @@ asks Lightning's own :func:`~lightning.pytorch.utilities.signature_utils.is_para
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
 
 #: The step hook each ``Trainer`` call runs.
 STEP_HOOKS = {
@@ -22,7 +25,7 @@ STEP_HOOKS = {
 }
 
 
-def step_args(module: Any, fn: TrainerFn, batch: Any, num_dataloaders: int = 1) -> tuple:
+def step_args(module: pl.LightningModule, fn: TrainerFn, batch: Any, num_dataloaders: int = 1) -> tuple:
     """The positional arguments Lightning's loop passes to the step of ``fn`` for batch 0 of the first dataloader.
 
     Args:

@@ -9,12 +9,16 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Literal, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, Union
 
 from lightning_pipe._bytes import parse_bytes
 from lightning_pipe.partition import BALANCE_MODES
 from lightning_pipe.schedules import ScheduleSpec, schedule_spec
 from lightning_pipe.timeline import TimelineOptions
+
+if TYPE_CHECKING:
+    from torch import nn
+    from torch.distributed.device_mesh import DeviceMesh
 
 Size = Union[int, Literal["auto"]]
 DataParallel = Literal["ddp", "fsdp", "hsdp"]
@@ -36,7 +40,7 @@ class PipelineOptions:
     stages_per_rank: int
     backbone: Union[str, list[str]]
     balance: Union[str, list[int]]
-    activation_checkpointing: Any
+    activation_checkpointing: Union[bool, list[str], Callable[[nn.Module], bool]]
     timeline: Optional[TimelineOptions]
     stall_timeout: Optional[float]  # seconds
     check_data_every_n_batches: Optional[int]
@@ -44,7 +48,8 @@ class PipelineOptions:
     data_parallel_shard_size: Size = "auto"
     reshard_after_forward: bool = False
     tensor_parallel_size: int = 1
-    tensor_parallel_plan: Any = None
+    #: ``_model.tensor_parallel.TensorParallelPlan``, spelled out (that module is in a higher layer than this one)
+    tensor_parallel_plan: Union[None, str, dict, Callable[[nn.Module, DeviceMesh], None]] = None
     #: ``schedule="auto"``: ``schedule`` and ``stages_per_rank`` are placeholders until setup chooses
     #: ([Note: configuration by measurement])
     auto: bool = False
@@ -55,25 +60,25 @@ class PipelineOptions:
 
 def validated_options(
     *,
-    pipeline_parallel_size: Any = "auto",
-    data_parallel_size: Any = "auto",
-    num_microbatches: Any = "auto",
+    pipeline_parallel_size: Size = "auto",
+    data_parallel_size: Size = "auto",
+    num_microbatches: Size = "auto",
     schedule: str = "1F1B",
-    stages_per_rank: Any = "auto",
-    backbone: Any = "auto",
-    balance: Any = "uniform",
-    activation_checkpointing: Any = False,
-    timeline: Any = None,
-    stall_timeout: Any = None,
-    check_data_every_n_batches: Any = None,
-    data_parallel: Any = None,
-    data_parallel_shard_size: Any = "auto",
-    reshard_after_forward: Any = False,
-    tensor_parallel_size: Any = 1,
-    tensor_parallel_plan: Any = None,
-    max_memory: Any = None,
-    compile: Any = False,
-    keep_split: Any = False,
+    stages_per_rank: Size = "auto",
+    backbone: Union[str, list[str]] = "auto",
+    balance: Union[str, list[int]] = "uniform",
+    activation_checkpointing: Union[bool, list[str], Callable[[nn.Module], bool]] = False,
+    timeline: Union[None, bool, int, str, dict, TimelineOptions] = None,
+    stall_timeout: Union[None, float, timedelta] = None,
+    check_data_every_n_batches: Optional[int] = None,
+    data_parallel: Optional[DataParallel] = None,
+    data_parallel_shard_size: Size = "auto",
+    reshard_after_forward: bool = False,
+    tensor_parallel_size: int = 1,
+    tensor_parallel_plan: Union[None, str, dict, Callable[[nn.Module, DeviceMesh], None]] = None,
+    max_memory: Union[None, int, str] = None,
+    compile: Union[bool, dict] = False,
+    keep_split: bool = False,
 ) -> PipelineOptions:
     """Check the constructor's arguments, by keyword as ``PipelineStrategy`` takes them (raising ``ValueError`` that
     names the fix), and resolve ``"auto"`` where it does not depend on the processes."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.distributed as dist
@@ -25,6 +25,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lightning_pipe._compat.torch import mesh_group_options
 from lightning_pipe.partition import resolve_sizes
+
+if TYPE_CHECKING:
+    from lightning_pipe._lightning.options import PipelineOptions, Size
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +61,7 @@ class ParallelDims:
 
     @classmethod
     def resolve(
-        cls, pipeline: Any, data: Any, tensor: int, world_size: int, hybrid_shard: Any = None,
+        cls, pipeline: Size, data: Size, tensor: int, world_size: int, hybrid_shard: Optional[Size] = None,
         processes_per_node: int = 1,
     ) -> ParallelDims:
         """The sizes, ``"auto"`` resolved: ``hybrid_shard`` is ``data_parallel_shard_size`` with HSDP (``None``
@@ -74,7 +77,7 @@ class ParallelDims:
         return cls(pp, dp, tensor, shard, world_size)
 
     @classmethod
-    def of(cls, options: Any, world_size: int, processes_per_node: int) -> ParallelDims:
+    def of(cls, options: PipelineOptions, world_size: int, processes_per_node: int) -> ParallelDims:
         """:meth:`resolve` for ``PipelineStrategy``'s validated options."""
         hybrid = options.data_parallel_shard_size if options.data_parallel == "hsdp" else None
         return cls.resolve(
@@ -163,7 +166,7 @@ def sharded_dims(mesh: DeviceMesh) -> list[str]:
     return [name for d, name in enumerate(names) if name != PIPELINE and mesh.size(d) > 1]
 
 
-def hsdp_shard_size(shard_size: Any, dp: int, processes_per_node: int) -> int:
+def hsdp_shard_size(shard_size: Size, dp: int, processes_per_node: int) -> int:
     """The replicas per sharding group: as given, or (``"auto"``) the processes of one node, which must divide the
     replicas."""
     shard = min(processes_per_node, dp) if shard_size == "auto" else shard_size

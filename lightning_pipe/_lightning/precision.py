@@ -19,7 +19,7 @@ The user's own instance is not changed.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -29,6 +29,10 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_pipe._subclass import copy_with_mixin
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from lightning.fabric.utilities.types import Optimizable
 
 
 class PipelinePrecision:
@@ -57,7 +61,9 @@ class PipelinePrecision:
             same = [g for g in grads if (g.device, g.dtype) == kind]
             torch._foreach_mul_(same, coefficient.to(kind[0]))
 
-    def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
+    def optimizer_step(
+        self, optimizer: Optimizable, model: pl.LightningModule, closure: Callable[[], Any], **kwargs: Any
+    ) -> Any:
         scaler = getattr(self, "scaler", None)
         if scaler is None or not dist.is_initialized() or dist.get_world_size() == 1:
             return super().optimizer_step(optimizer, model, closure, **kwargs)  # type: ignore[misc]

@@ -9,7 +9,8 @@ import subprocess
 import sys
 import time
 import traceback
-from typing import Any, Optional
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device
@@ -19,13 +20,16 @@ from lightning.pytorch.strategies.launchers.subprocess_script import _Subprocess
 from lightning_pipe._compat.lightning import init_process_group
 from lightning_pipe._compat.torch import job_store
 
+if TYPE_CHECKING:
+    from lightning.fabric.plugins.environments import ClusterEnvironment
+
 #: How long a failing rank 0 gives the ranks it launched to fail on their own (and say why) before it ends them.
 GRACE_S = 3.0
 #: Where a failing rank leaves its error in the job's store ([Note: the first failure, named]).
 FAILED_KEY = "lightning_pipe/failed/"
 
 
-def launched_processes(launcher: Any) -> list[Any]:
+def launched_processes(launcher: object) -> list[subprocess.Popen]:
     """The processes (``subprocess.Popen``) Lightning's launcher started from this one: the other ranks on rank 0 of a
     job started as one script, else none."""
     if isinstance(launcher, _SubprocessScriptLauncher):
@@ -127,7 +131,9 @@ def end_launched_processes(launcher: Any, exception: BaseException, rank: int) -
     launcher.kill(signal.SIGKILL)
 
 
-def start_process_group(cluster_environment: Any, backend: Any, timeout: Any, device: torch.device) -> str:
+def start_process_group(
+    cluster_environment: ClusterEnvironment, backend: Optional[str], timeout: Optional[timedelta], device: torch.device
+) -> str:
     """Reset the seed as Lightning's strategies do, and start the default process group with ``backend`` (``None``:
     Lightning's default for ``device``); returns the backend."""
     reset_seed()

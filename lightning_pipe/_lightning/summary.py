@@ -8,13 +8,16 @@ run ``example_input_array`` through the model: each rank holds only its stages (
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.callbacks import ModelSummary as ModelSummaryCallback
 from lightning.pytorch.utilities.model_summary import LayerSummary, ModelSummary
 from torch import nn
 
 from lightning_pipe._subclass import copy_with_mixin
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
 
 #: ``{module path: (parameters, trainable parameters)}``, ``""`` for the whole model.
 Counts = dict[str, tuple[int, int]]
@@ -32,7 +35,7 @@ def parameter_counts(module: nn.Module) -> Counts:
 class PipelineModelSummary(ModelSummary):
     """Lightning's ``ModelSummary`` with the whole model's parameter counts."""
 
-    def __init__(self, model: Any, counts: Counts, max_depth: int = 1) -> None:
+    def __init__(self, model: pl.LightningModule, counts: Counts, max_depth: int = 1) -> None:
         self._counts = counts
         super().__init__(model, max_depth=max_depth)
 
@@ -64,7 +67,7 @@ class _WholeModelSummary:
     _lp_counts: Counts
     _max_depth: int
 
-    def _summary(self, trainer: Any, pl_module: Any) -> ModelSummary:
+    def _summary(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> ModelSummary:
         return PipelineModelSummary(pl_module, self._lp_counts, max_depth=self._max_depth)
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Optional, Union
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
@@ -206,8 +206,8 @@ def _holds_blocks(children: list[nn.Module]) -> bool:
     return repeated and all(any(True for _ in c.parameters()) for c in children)
 
 
-def _resolve(module: nn.Module, path: str, spec: Any) -> nn.Module:
-    parent: Any = module
+def _resolve(module: nn.Module, path: str, spec: Union[str, Sequence[str]]) -> nn.Module:
+    parent: nn.Module = module
     walked = []
     for part in path.split("."):
         walked.append(part)
@@ -224,7 +224,7 @@ def _resolve(module: nn.Module, path: str, spec: Any) -> nn.Module:
     return parent
 
 
-def _missing_message(module: nn.Module, path: str, missing: str, spec: Any) -> str:
+def _missing_message(module: nn.Module, path: str, missing: str, spec: Union[str, Sequence[str]]) -> str:
     candidates = [n for n, m in module.named_modules() if n and isinstance(m, _CONTAINERS)]
     hint = f" Containers found: {candidates[:8]}." if candidates else " The module has no container of blocks."
     return (

@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional, Union
 
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -44,7 +44,7 @@ class ConfigureModelCalls:
     """
 
     styles: list[Record] = field(default_factory=list)
-    shards: list[tuple[Any, dict]] = field(default_factory=list)
+    shards: list[tuple[Union[nn.Module, list[nn.Module]], dict]] = field(default_factory=list)
     checkpointed: list[nn.Module] = field(default_factory=list)
 
 
@@ -64,7 +64,9 @@ def recording(module: nn.Module) -> Iterator[ConfigureModelCalls]:
     calls.styles = [(style, unwrapped.get(id(target), target), mesh) for style, target, mesh in calls.styles]
 
 
-def _unwrap(target: Any, unwrapped: dict[int, nn.Module]) -> Any:
+def _unwrap(
+    target: Union[nn.Module, list[nn.Module]], unwrapped: dict[int, nn.Module]
+) -> Union[nn.Module, list[nn.Module]]:
     if isinstance(target, nn.Module):
         return unwrapped.get(id(target), target)
     return [unwrapped.get(id(m), m) for m in target]

@@ -25,7 +25,8 @@ import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from typing import Any
+from datetime import timedelta
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -334,7 +335,7 @@ class Cut:
             for reg in added:
                 reg.table.pop(reg.name, None)
 
-    def convert_ghosts(self, rank: int, convert: Any) -> None:
+    def convert_ghosts(self, rank: int, convert: Callable[[nn.Module], nn.Module]) -> None:
         """Give the ghosts the dtypes the precision plugin's ``convert`` gives the module's tensors."""
         held = {id(r) for r in self.held(rank)}
         store = nn.Module()
@@ -369,7 +370,7 @@ def connect_ties(
     mesh: Tensor,
     rank: int,
     groups: dict[tuple[int, ...], dist.ProcessGroup],
-    timeout: Any,
+    timeout: Optional[timedelta],
 ) -> list[tuple[dist.ProcessGroup, list[nn.Parameter]]]:
     """A process group for every set of pipeline ranks sharing a parameter (in each replica), with this rank's
     shared parameters; the copies start equal (the first rank's). Every rank creates every group, in order.

@@ -32,9 +32,12 @@ parameter directly (move that code into a module), and a boundary that would car
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lightning_pipe._errors import BackboneCallError
+
+if TYPE_CHECKING:
+    from lightning_pipe.partition import StageLayout
 
 #: ``("block", index, 0, leaf)`` or ``("module", path, call, leaf)``: where a value is produced (see the Note).
 Producer = tuple[str, Any, int, int]
@@ -90,7 +93,7 @@ class Flow:
         return "; ".join(parts) + f"; to the code after the backbone: {', '.join(self.names[p] for p in self.answers)}"
 
 
-def make_flow(structure: Any, layout: Any, block_names: list[str]) -> Flow:
+def make_flow(structure: Any, layout: StageLayout, block_names: list[str]) -> Flow:
     """The :class:`Flow` of ``structure`` (what the analysis learned) under ``layout``; raises
     :class:`~lightning_pipe.BackboneCallError` for what cannot cross a boundary."""
     n = len(block_names)

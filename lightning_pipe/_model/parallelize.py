@@ -38,8 +38,8 @@ from lightning_pipe._lightning.parallel_dims import ParallelDims
 from lightning_pipe._model.configure_model import ConfigureModelCalls, sharding_of
 from lightning_pipe._model.cut import Cut
 from lightning_pipe._model.materialize import materialize_local
-from lightning_pipe._model.shard import ShardingOptions, outside_modules, shard_stage
-from lightning_pipe._model.tensor_parallel import TensorParallelSplit, choose_plan
+from lightning_pipe._model.shard import ShardingOptions, StageSharding, outside_modules, shard_stage
+from lightning_pipe._model.tensor_parallel import TensorParallelPlan, TensorParallelSplit, choose_plan
 
 
 @dataclass(frozen=True)
@@ -54,10 +54,10 @@ class StageParallelism:
             whole after the call ([Note: undoing a stage's parallelization]).
     """
 
-    owner: Any
+    owner: object
     tensor_parallel: bool = False
-    sharding: Any = None
-    snapshot: Any = None
+    sharding: Optional[StageSharding] = None
+    snapshot: Optional[ModuleSnapshot] = None
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,7 @@ class ParallelismArgs:
     not given), ``reshard_after_forward``, the precision plugin's ``precision`` (``"bf16-mixed"`` all-gathers
     sharded parameters in bf16), and ``compile``'s options (``None``: blocks not compiled)."""
 
-    tensor_parallel_plan: Any = None
+    tensor_parallel_plan: TensorParallelPlan = None
     data_parallel: Optional[str] = None
     reshard_after_forward: bool = False
     precision: Optional[str] = None
@@ -94,7 +94,7 @@ def parallelize_stage(
     args: ParallelismArgs,
     configured: ConfigureModelCalls,
     *,
-    owner: Any,
+    owner: object,
     device: torch.device,
     prepare: Callable[[nn.Module], Any],
 ) -> StageParallelism:

@@ -15,7 +15,7 @@ import statistics
 import time
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -39,6 +39,9 @@ from lightning_pipe._model.calls import (
 )
 from lightning_pipe._model.untouched import untouched
 
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
 
 @dataclass(frozen=True)
 class BlockCost:
@@ -59,7 +62,9 @@ class BlockCost:
         return self.forward + self.input_grad + self.weight_grad
 
 
-def first_batch(module: Any, batch_to_device: Callable[[Any], Any]) -> tuple[Callable[..., Any], tuple]:
+def first_batch(
+    module: pl.LightningModule, batch_to_device: Callable[[Any], Any]
+) -> tuple[Callable[..., Any], tuple]:
     """The step the running ``Trainer`` call runs, and the arguments Lightning's loop passes it for the first batch of
     its data (:func:`~lightning_pipe._lightning.hooks.step_args`), the batch on the device and after the batch
     transfer hooks, as the step sees it; the loaders' random state is left as it was."""
@@ -83,7 +88,7 @@ def first_batch(module: Any, batch_to_device: Callable[[Any], Any]) -> tuple[Cal
 
 
 def measure_backbone(
-    module: Any,
+    module: pl.LightningModule,
     backbone: Backbone,
     structure: Structure,
     step: Callable[..., Any],
@@ -95,7 +100,7 @@ def measure_backbone(
     step_context: Callable[[], AbstractContextManager],
     repeats: int = 3,
     detail: bool = False,
-) -> Any:
+) -> Union[list[float], list[BlockCost]]:
     """``balance="time"``: every block's forward+backward seconds, measured on global rank 0 on one microbatch of
     the first batch and shared with every rank (a collective). The code before the backbone is counted with the
     first block, the code after it (head, loss) with the last: those stages run it too.

@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -44,6 +44,11 @@ from lightning_pipe._compat.torch import fsdp_lazy_init, fsdp_sharded_params
 from lightning_pipe._ghost import Ghost
 from lightning_pipe._model.cut import Cut
 from lightning_pipe._model.materialize import Materializer
+
+if TYPE_CHECKING:
+    from lightning.pytorch.plugins.precision import Precision
+
+    from lightning_pipe._model.backbone import Backbone
 
 log = logging.getLogger(__name__)
 
@@ -202,7 +207,7 @@ def _loose_params(module: nn.Module, units: list[nn.Module]) -> list[nn.Paramete
 
 
 def _refuse_shared_across_units(
-    blocks: list[nn.Module], outside: list[nn.Module], backbone: Any, indices: list[int]
+    blocks: list[nn.Module], outside: list[nn.Module], backbone: Backbone, indices: list[int]
 ) -> None:
     """FSDP shards a parameter in one unit only: a parameter used by two blocks, or by a block and a module outside
     the backbone, cannot be sharded."""
@@ -253,7 +258,7 @@ def refuse_user_sharding(module: nn.Module) -> None:
             )
 
 
-def refuse_unshardable(mode: str, precision_plugin: Any, callbacks: list[Any]) -> None:
+def refuse_unshardable(mode: str, precision_plugin: Precision, callbacks: list[Any]) -> None:
     """What sharded stages cannot honour, refused at setup on every rank with the fix (as Lightning's
     ``FSDPStrategy`` refuses what it cannot shard)."""
     from lightning.pytorch.callbacks import ModelPruning, StochasticWeightAveraging

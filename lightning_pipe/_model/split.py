@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import Any, Callable, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -19,12 +19,15 @@ from torch import nn
 from torchmetrics import Metric
 
 from lightning_pipe._errors import BackboneCallError
-from lightning_pipe._model.backbone import consecutive_candidates, find_backbone
+from lightning_pipe._model.backbone import Backbone, consecutive_candidates, find_backbone
 from lightning_pipe._model.calls import BackboneNotCalledError, Structure
 from lightning_pipe._model.cut import Cut
 from lightning_pipe._model.structure import analyze
 from lightning_pipe.partition import make_layout
 from lightning_pipe.schedules import ScheduleSpec, schedule_spec
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +37,8 @@ _cuts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def refuse_unsupported(
-    module: Any, *, fitting: bool, sync_batchnorm: bool, pipeline_parallel_size: int, name: str = "PipelineStrategy"
+    module: pl.LightningModule, *, fitting: bool, sync_batchnorm: bool, pipeline_parallel_size: int,
+    name: str = "PipelineStrategy"
 ) -> None:
     """Raise, naming the fix, for what a pipeline cannot run. Every rank checks the same module, so every rank
     raises."""
@@ -128,7 +132,7 @@ def split_module(
 def _backbone_of(
     module: nn.Module, spec: Union[str, list[str]], step: Callable[..., Any], args: tuple, device: torch.device,
     fitting: bool,
-) -> tuple[Any, Structure]:
+) -> tuple[Backbone, Structure]:
     """The backbone and how the step calls it. With ``backbone="auto"`` and several containers of repeated blocks, all
     of them when the step runs them one after the other, each block's output the next one's input within each
     (torchvision's ``layer1`` .. ``layer4``; an encoder's layers, then a decoder's); else the single container
@@ -163,7 +167,7 @@ def _backbone_of(
 def _candidates_run(
     module: nn.Module, candidates: list[str], step: Callable[..., Any], args: tuple, *, device: torch.device,
     fitting: bool,
-) -> dict[str, Optional[tuple[Any, Structure]]]:
+) -> dict[str, Optional[tuple[Backbone, Structure]]]:
     """``backbone="auto"``: each candidate container the step runs, with how it runs it; a candidate it never calls
     (a vision-language model's vision layers, for a step on text-only rows) is left out, so that auto chooses among
     the containers the step runs. A candidate whose analysis fails otherwise counts as run (without a structure: its
@@ -186,7 +190,7 @@ def previous_cut(module: nn.Module) -> Optional[Cut]:
     return _cuts.get(module)
 
 
-def _parameter_costs(module: nn.Module, backbone: Any, structure: Structure) -> list[float]:
+def _parameter_costs(module: nn.Module, backbone: Backbone, structure: Structure) -> list[float]:
     """Parameters per block; those outside the blocks count with the block whose stage first reads them (the code
     before block ``r`` runs on its stage), those nothing reads with the last."""
     inside: set[int] = set()

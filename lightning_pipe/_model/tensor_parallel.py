@@ -88,7 +88,7 @@ def _hugging_face_plan(module: nn.Module) -> dict:
     )
 
 
-def _refuse_sequence_parallel(path: str, style: Any) -> None:
+def _refuse_sequence_parallel(path: str, style: ParallelStyle) -> None:
     """A block's input and output must stay whole on every tensor rank: the pipeline hands them on."""
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import SequenceParallel
@@ -128,7 +128,7 @@ def check_plan(styles: dict, block: nn.Module, block_name: str, size: int) -> No
             _check_split(f"{block_name}.{name}", modules[name], style, size)
 
 
-def _check_split(name: str, module: nn.Module, style: Any, size: int) -> None:
+def _check_split(name: str, module: nn.Module, style: ParallelStyle, size: int) -> None:
     if not isinstance(style, (ColwiseParallel, RowwiseParallel)):
         return
     colwise = isinstance(style, ColwiseParallel)

@@ -26,7 +26,7 @@ import logging
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -36,6 +36,9 @@ from torch.distributed.tensor import DTensor
 
 from lightning_pipe._compat.torch import fsdp_modules_in, restore_modules
 from lightning_pipe._ghost import Ghost
+
+if TYPE_CHECKING:
+    from lightning_pipe._model.cut import Cut
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +54,7 @@ class SplitModuleError(RuntimeError):
     """A read of the whole model from a module that holds only this rank's pipeline stages."""
 
 
-def model_bytes(cut: Any) -> int:
+def model_bytes(cut: Cut) -> int:
     """The whole model's bytes: every tensor once (a tied one once), at the dtype it has now."""
     seen: dict[str, int] = {}
     for reg in cut.registrations:
@@ -76,7 +79,7 @@ def host_available_bytes() -> Optional[int]:
         return None
 
 
-def fits_on_host(cut: Any, local_processes: int, device: torch.device) -> tuple[bool, str]:
+def fits_on_host(cut: Cut, local_processes: int, device: torch.device) -> tuple[bool, str]:
     """Whether every process of this host can hold the whole model, agreed by every rank; and the figures."""
     need = model_bytes(cut) * local_processes
     available = host_available_bytes()
@@ -89,7 +92,7 @@ def fits_on_host(cut: Any, local_processes: int, device: torch.device) -> tuple[
     return bool(flag.item()), figures
 
 
-def make_whole(module: nn.Module, cut: Any, pipeline_group: dist.ProcessGroup, device: torch.device) -> None:
+def make_whole(module: nn.Module, cut: Cut, pipeline_group: dist.ProcessGroup, device: torch.device) -> None:
     """Gather ``module`` whole on every rank, in host memory, and undo the stage's parallelization
     ([Note: the whole module after a Trainer call]). Every rank of the job calls it."""
     for unit in fsdp_modules_in(module):
@@ -105,7 +108,7 @@ def make_whole(module: nn.Module, cut: Any, pipeline_group: dist.ProcessGroup, d
     module.cpu()
 
 
-def _gather(cut: Any, group: dist.ProcessGroup, device: torch.device) -> dict[str, Tensor]:
+def _gather(cut: Cut, group: dist.ProcessGroup, device: torch.device) -> dict[str, Tensor]:
     """``{key: whole value}`` of every tensor of the model, on the CPU: a plain parameter this rank holds is kept as
     the object it is (no copy)."""
     rank = dist.get_rank(group)
@@ -190,7 +193,7 @@ def _modules_with_ghosts(module: nn.Module) -> set[int]:
 
 
 def after_call(
-    module: nn.Module, cut: Any, *, keep_split: bool, local_processes: int, pipeline_group: dist.ProcessGroup,
+    module: nn.Module, cut: Cut, *, keep_split: bool, local_processes: int, pipeline_group: dist.ProcessGroup,
     device: torch.device,
 ) -> Optional[SplitGuard]:
     """What the strategy's teardown does with the module ([Note: the whole module after a Trainer call]); returns the

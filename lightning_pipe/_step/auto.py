@@ -36,7 +36,7 @@ import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -47,6 +47,12 @@ from lightning_pipe._simulate import ACTION_OVERHEAD_S, StageCosts, peak_memory,
 from lightning_pipe._step.microbatches import default_num_microbatches, divisors, largest_divisor_at_most
 from lightning_pipe.partition import StageLayout
 from lightning_pipe.schedules import SCHEDULE_NAMES, schedule_spec
+
+if TYPE_CHECKING:
+    from lightning_pipe._lightning.options import PipelineOptions, Size
+    from lightning_pipe._model.backbone import Backbone
+    from lightning_pipe._model.calls import Structure
+    from lightning_pipe._model.profile import BlockCost
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +73,7 @@ class Config:
 
     schedule: str
     stages_per_rank: int
-    num_microbatches: Any
+    num_microbatches: Size
 
     @property
     def placement(self) -> tuple[str, int]:
@@ -78,7 +84,7 @@ class Config:
         return (f"schedule={self.schedule!r}, stages_per_rank={self.stages_per_rank},"
                 f" num_microbatches={self.num_microbatches}")
 
-    def resolve(self, options: Any) -> Any:
+    def resolve(self, options: PipelineOptions) -> PipelineOptions:
         """``options`` with this configuration in place of ``"auto"``."""
         return replace(options, schedule=schedule_spec(self.schedule), stages_per_rank=self.stages_per_rank,
                        num_microbatches=self.num_microbatches)
@@ -121,13 +127,13 @@ class Candidate:
 
 
 def predict(
-    costs: Sequence[Any],
+    costs: Sequence[BlockCost],
     params: Sequence[float],
     pipeline_size: int,
     batch_size: int,
     layout_for: Callable[[int, str], StageLayout],
     *,
-    num_microbatches: Any,
+    num_microbatches: Size,
     stages_per_rank: int,
     fixed_count: bool,
     max_memory: Optional[int],
@@ -176,7 +182,7 @@ def predict(
     return sorted(candidates, key=lambda c: c.predicted)
 
 
-def _counts(name: str, p: int, v: int, batch_size: int, requested: Any, fixed_count: bool) -> list[int]:
+def _counts(name: str, p: int, v: int, batch_size: int, requested: Size, fixed_count: bool) -> list[int]:
     spec = schedule_spec(name)
     if requested != "auto":  # a count that does not divide the batch runs as the largest below it that does
         return [requested] if spec.accepts(largest_divisor_at_most(batch_size, requested), p, v) else []
@@ -190,7 +196,7 @@ def _counts(name: str, p: int, v: int, batch_size: int, requested: Any, fixed_co
     return sorted(sorted(accepted, key=lambda d: abs(math.log(d / default)))[:MAX_COUNTS])
 
 
-def _predicted(config: Config, layout: StageLayout, costs: Sequence[Any], params: Sequence[float],
+def _predicted(config: Config, layout: StageLayout, costs: Sequence[BlockCost], params: Sequence[float],
                batch_size: int) -> Candidate:
     m = largest_divisor_at_most(batch_size, config.num_microbatches)
     rows = batch_size // m
@@ -365,13 +371,13 @@ class Chooser:
         fitting: whether the ``Trainer`` call trains; an evaluation alone runs today's defaults, untimed.
     """
 
-    def __init__(self, options: Any, pipeline_size: int, measure: Callable[..., Any], module: torch.nn.Module,
-                 device: torch.device, fitting: bool) -> None:
+    def __init__(self, options: PipelineOptions, pipeline_size: int, measure: Callable[..., Any],
+                 module: torch.nn.Module, device: torch.device, fitting: bool) -> None:
         self.options, self.pipeline_size, self.measure = options, pipeline_size, measure
         self.module, self.device, self.fitting = module, device, fitting
         self.trial: Optional[Trial] = None
 
-    def __call__(self, backbone: Any, structure: Any, step: Callable[..., Any], args: tuple,
+    def __call__(self, backbone: Backbone, structure: Structure, step: Callable[..., Any], args: tuple,
                  parameter_costs: list[float]) -> tuple[Config, list[float]]:
         from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
@@ -417,8 +423,8 @@ class Chooser:
         )
         return best, costs
 
-    def _stand_ins(self, backbone: Any, structure: Any, step: Callable[..., Any], args: tuple,
-                   parameter_costs: list[float]) -> list[Any]:
+    def _stand_ins(self, backbone: Backbone, structure: Structure, step: Callable[..., Any], args: tuple,
+                   parameter_costs: list[float]) -> list[BlockCost]:
         """Block costs from parameter counts (a microsecond per thousand, forward, input and weight gradient
         alike) for the whole first batch, nothing saved: only their ratios matter, the trial fits the scale. The
         batch size is the first batch tensor's first dimension."""
@@ -433,7 +439,7 @@ class Chooser:
         ]
 
 
-def _schedules_for(options: Any, backbone: Any) -> tuple[str, ...]:
+def _schedules_for(options: PipelineOptions, backbone: Optional[Backbone]) -> tuple[str, ...]:
     """Every schedule, or with compiled blocks those that do not split the backward ([Note: compiled blocks])."""
     blocks = [backbone.module(i) for i in range(len(backbone))] if backbone is not None else []
     if options.compile is None and not any(compiled(b) for b in blocks):

@@ -30,7 +30,7 @@ class LossWeightChannel:
         self.device = device
         self._weight: Optional[float] = None
         self._box: Optional[Tensor] = None
-        self._receive: Any = None
+        self._receive: Optional[dist.Work] = None
         self._sends: list[Any] = []
 
     def expect(self, is_last: bool) -> None:

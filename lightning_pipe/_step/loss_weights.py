@@ -30,7 +30,8 @@ from __future__ import annotations
 
 import inspect
 import warnings
-from typing import Any, Optional
+from collections.abc import Collection
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -72,14 +73,16 @@ class MeanObserver(TorchFunctionMode):
         self._counts: dict[int, Tensor] = {}  # 0-dim sums of such tensors, and what is computed from them alone
         self._selected: dict[int, Tensor] = {}  # the elements a boolean mask selected
 
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+    def __torch_function__(
+        self, func: Callable[..., Any], types: Collection[type], args: tuple = (), kwargs: Optional[dict] = None
+    ) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if isinstance(out, Tensor) and not isinstance(out, Ghost):
             self._note(func, args, kwargs, out)
         return out
 
-    def _note(self, func: Any, args: tuple, kwargs: dict, out: Tensor) -> None:
+    def _note(self, func: Callable[..., Any], args: tuple, kwargs: dict, out: Tensor) -> None:
         first = args[0] if args else None
         if func in _COUNTED_LOSSES:
             count = _loss_count(func, args, kwargs)
@@ -226,7 +229,7 @@ def _explicit_count(value: Any, loss: Tensor) -> Tensor:
     return count.to(loss.device)
 
 
-def _loss_count(func: Any, args: tuple, kwargs: dict) -> Optional[Tensor]:
+def _loss_count(func: Callable[..., Any], args: tuple, kwargs: dict) -> Optional[Tensor]:
     """The count a mean-reduced ``cross_entropy``/``nll_loss`` call divides by, or ``None`` if not mean-reduced."""
     bound = _COUNTED_LOSSES[func].bind(*args, **kwargs)
     bound.apply_defaults()

@@ -61,7 +61,7 @@ class MicrobatchPolicy:
             batch_size, self.pipeline_parallel_size, self.stages_per_rank, self.schedule.name
         )
 
-    def check_batch_size(self, batch_size: Any, split: str) -> None:
+    def check_batch_size(self, batch_size: Optional[int], split: str) -> None:
         """Raise, naming the fix, when a loader's ``batch_size`` is too small to split."""
         if not isinstance(batch_size, int):
             return

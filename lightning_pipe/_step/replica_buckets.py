@@ -123,5 +123,5 @@ class ReplicaBuckets:
         self._in_flight = []
 
 
-def _local(tensor: Any) -> Tensor:
+def _local(tensor: Tensor) -> Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor

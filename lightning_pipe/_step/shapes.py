@@ -25,11 +25,17 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional, Union
 
 import torch
 
 from lightning_pipe._model.calls import size_map_of_shapes
+
+if TYPE_CHECKING:
+    from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
+
+    #: A schedule object of torch's (every schedule in ``lightning_pipe.schedules`` is one of torch's classes).
+    _Schedule = Union[PipelineScheduleSingle, PipelineScheduleMulti]
 
 #: A tensor's ``(shape, dtype)``: what a stage receives or returns, for one microbatch.
 Meta = tuple[tuple[int, ...], torch.dtype]
@@ -94,21 +100,21 @@ class ScheduleCache:
     def __init__(self, max_kept: int = MAX_SCHEDULES) -> None:
         if max_kept < 1:
             raise ValueError(f"`max_schedules={max_kept}` keeps no schedule; a step needs one: pass 1 or more.")
-        self._kept: OrderedDict[tuple, Any] = OrderedDict()
+        self._kept: OrderedDict[tuple, _Schedule] = OrderedDict()
         self._seen: set[tuple] = set()
         self.stats = ShapeStats(max_kept=max_kept)
 
     def __len__(self) -> int:
         return len(self._kept)
 
-    def get(self, key: tuple) -> Optional[Any]:
+    def get(self, key: tuple) -> Optional[_Schedule]:
         """The schedule kept for ``key``, now the most recently used, or ``None``."""
         schedule = self._kept.get(key)
         if schedule is not None:
             self._kept.move_to_end(key)
         return schedule
 
-    def put(self, key: tuple, schedule: Any, probe_seconds: float, construct_seconds: float) -> list[tuple]:
+    def put(self, key: tuple, schedule: _Schedule, probe_seconds: float, construct_seconds: float) -> list[tuple]:
         """Keep a schedule just built for ``key``; returns the keys evicted to make room, oldest first."""
         new_shape = key not in self._seen
         self._seen.add(key)
@@ -127,7 +133,7 @@ class ScheduleCache:
         self._kept.clear()
         self._count()
 
-    def drop(self, schedule: Any) -> None:
+    def drop(self, schedule: _Schedule) -> None:
         """Forget ``schedule`` (its step raised), wherever it is kept."""
         keys = [key for key, kept in self._kept.items() if kept is schedule]
         for key in keys:

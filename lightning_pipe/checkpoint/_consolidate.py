@@ -16,7 +16,7 @@ import logging
 import os
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any, Optional
+from typing import IO, Any, Optional, Union
 
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
@@ -33,7 +33,7 @@ _TRAINING_STATE_KEYS = ("optimizer_states", "lr_schedulers", "callbacks")
 
 
 def consolidated_checkpoint(
-    checkpoint_dir: Any, weights_only: bool = False, *, trusted: bool = False
+    checkpoint_dir: Union[str, os.PathLike], weights_only: bool = False, *, trusted: bool = False
 ) -> dict[str, Any]:
     """Read a lightning_pipe checkpoint directory into one ordinary Lightning checkpoint dictionary.
 
@@ -90,7 +90,12 @@ def consolidated_checkpoint(
 
 
 def consolidate(
-    checkpoint_dir: Any, output: Any, weights_only: bool = False, overwrite: bool = False, *, trusted: bool = False
+    checkpoint_dir: Union[str, os.PathLike],
+    output: Union[str, os.PathLike],
+    weights_only: bool = False,
+    overwrite: bool = False,
+    *,
+    trusted: bool = False,
 ) -> Path:
     """Write :func:`consolidated_checkpoint` of ``checkpoint_dir`` to the file ``output``; return its path."""
     out = Path(output)
@@ -150,7 +155,7 @@ def _set_nested(target: dict[str, Any], keys: list[str], value: Any) -> None:
     target[keys[-1]] = value
 
 
-def load_from_checkpoint(cls: type, checkpoint_path: Any, **kwargs: Any) -> Any:
+def load_from_checkpoint(cls: type, checkpoint_path: Union[str, os.PathLike, IO[bytes]], **kwargs: Any) -> Any:
     """``cls.load_from_checkpoint(checkpoint_path, **kwargs)`` that also reads a lightning_pipe checkpoint directory.
 
     Lightning reads a checkpoint file; a pipelined checkpoint is a directory of shards. For a directory, the weights

@@ -14,15 +14,16 @@ some ranks only is exchanged before the next collective, so no rank is left wait
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import empty as distributed_empty
 
@@ -53,13 +54,16 @@ from lightning_pipe.checkpoint._names import (
 )
 from lightning_pipe.checkpoint._safe import SafeFileSystemReader, load_dcp_metadata, read_error
 
+if TYPE_CHECKING:
+    from lightning.fabric.plugins import CheckpointIO
+
 log = logging.getLogger(__name__)
 
 
 # ------------------------------------------------------------------------------------------------------------- saving
 def save(
     checkpoint: dict[str, Any],
-    filepath: Any,
+    filepath: Union[str, os.PathLike],
     *,
     module: nn.Module,
     optimizers: list[torch.optim.Optimizer],
@@ -169,14 +173,14 @@ def _outcome_on_every_rank(failure: Optional[BaseException], path: Path, step: s
 
 
 def load(
-    filepath: Any,
+    filepath: Union[str, os.PathLike],
     *,
     module: nn.Module,
     optimizers: list[torch.optim.Optimizer],
     names: ModelNames,
     fitting: bool,
     weights_only: Optional[bool],
-    checkpoint_io: Any,
+    checkpoint_io: CheckpointIO,
     global_rank: int,
     prepare: Optional[Callable[[dict[str, Any]], None]] = None,
     chosen: Optional[Callable[[Any], None]] = None,
@@ -292,7 +296,9 @@ def _read_on_every_rank(filepath: Path, weights_only: Optional[bool], rank: int)
     return path, checkpoint, metadata
 
 
-def _placeholder(meta: Any, like: Optional[torch.Tensor] = None) -> Any:
+def _placeholder(
+    meta: Optional[Union[TensorStorageMetadata, BytesStorageMetadata]], like: Optional[torch.Tensor] = None
+) -> Optional[torch.Tensor]:
     """A template value DCP reads a stored entry into: a tensor of its size for a tensor, else anything. ``like``: the
     parameter an optimizer state entry belongs to; a state of a sharded parameter's size is read sharded like it (each
     rank reads its shard only, whatever layout wrote it)."""
@@ -375,7 +381,7 @@ def _load_file(
     optimizers: list[torch.optim.Optimizer],
     names: ModelNames,
     weights_only: Optional[bool],
-    checkpoint_io: Any,
+    checkpoint_io: CheckpointIO,
     global_rank: int,
     prepare: Optional[Callable[[dict[str, Any]], None]] = None,
 ) -> dict[str, Any]:
@@ -415,7 +421,7 @@ def _load_file(
     return checkpoint
 
 
-def stored_balance(filepath: Any, weights_only: Optional[bool] = None) -> list[int]:
+def stored_balance(filepath: Union[str, os.PathLike], weights_only: Optional[bool] = None) -> list[int]:
     """The modules per stage of the split a checkpoint directory was saved with, e.g. a profiled
     ``balance="time"`` split, to pass as ``PipelineStrategy(balance=stored_balance(ckpt_dir))`` on resume.
 

@@ -27,13 +27,14 @@ import shutil
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
 
 from lightning_pipe.checkpoint._safe import DamagedCheckpointError, load_torch_file
 
 if TYPE_CHECKING:
+    from lightning_pipe._step.auto import Config
     from lightning_pipe.partition import StageLayout
 
 log = logging.getLogger(__name__)
@@ -77,7 +78,7 @@ def write_meta(meta: dict[str, Any], path: Path) -> None:
 
 
 def layout_record(
-    layout: StageLayout, data_parallel_size: int, backbone: Sequence[str], choice: Any = None
+    layout: StageLayout, data_parallel_size: int, backbone: Sequence[str], choice: Optional[Config] = None
 ) -> dict[str, Any]:
     """The pipeline layout a checkpoint is saved with, as :func:`layout_of` reads it back: the stage ``bounds``, the
     sizes, the placement style and the backbone's paths; and ``schedule="auto"``'s choice (``auto``), if any."""
@@ -153,7 +154,7 @@ def commit(tmp: Path, path: Path) -> None:
     log.debug("checkpoint committed: %s", path)
 
 
-def remove(filepath: Any) -> None:
+def remove(filepath: Union[str, os.PathLike]) -> None:
     """Delete a checkpoint directory (or a file or link left by another strategy); nothing there is fine."""
     path = Path(filepath)
     if path.is_dir() and not path.is_symlink():

@@ -18,7 +18,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -74,7 +74,7 @@ def save_pretrained(
     module: nn.Module,
     dirpath: Union[str, os.PathLike],
     *,
-    stored: Any,
+    stored: Callable[[str], str],
     attribute: Optional[str] = None,
     max_shard_size: Union[int, str] = "5GB",
     whole_sizes: dict[str, tuple[tuple[int, ...], torch.dtype]],

@@ -15,6 +15,7 @@ module holds that bookkeeping:
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Optional
 
@@ -93,7 +94,7 @@ def group_representatives(
 
 
 def stored_group_keys(
-    optimizer: torch.optim.Optimizer, names: ModelNames, stored: Any, prefix: str, reps: list[Optional[str]]
+    optimizer: torch.optim.Optimizer, names: ModelNames, stored: Iterable[str], prefix: str, reps: list[Optional[str]]
 ) -> dict[str, list[str]]:
     """``{name: [hyper-parameter keys]}`` the checkpoint holds (``stored`` keys under ``prefix``) for each of this
     optimizer's parameters and group representatives; a name it has nothing for gets the group's current keys
@@ -107,7 +108,7 @@ def stored_group_keys(
 
 
 def stored_state_keys(
-    optimizer: torch.optim.Optimizer, names: ModelNames, stored: Any, prefix: str
+    optimizer: torch.optim.Optimizer, names: ModelNames, stored: Iterable[str], prefix: str
 ) -> dict[str, list[str]]:
     """``{name: [state keys]}`` the checkpoint holds (``stored`` keys under ``prefix``) for this optimizer's
     parameters (``exp_avg``, ``step``; a nested value's keys are dotted)."""
@@ -115,7 +116,7 @@ def stored_state_keys(
     return _keys_by_name(stored, prefix, known)
 
 
-def _keys_by_name(stored: Any, prefix: str, known: set[str]) -> dict[str, list[str]]:
+def _keys_by_name(stored: Iterable[str], prefix: str, known: set[str]) -> dict[str, list[str]]:
     """``{name: [sub-keys]}`` of the ``stored`` keys under ``prefix`` that belong to one of the ``known`` names."""
     found: dict[str, list[str]] = {}
     for key in stored:

@@ -32,12 +32,16 @@ import pickle
 import re
 import warnings
 from pathlib import Path
-from typing import Any, Optional
+from typing import IO, TYPE_CHECKING, Any, Optional, Union
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint import metadata as _dcp_metadata
 from torch.distributed.checkpoint.api import CheckpointException
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
+    from torch.futures import Future
 
 #: Types ``meta.pt`` may hold that a weights-only load refuses by default, and that are harmless to build: what
 #: ``save_hyperparameters`` keeps for an argparse configuration, and paths.
@@ -103,7 +107,7 @@ def load_torch_file(file: Path, weights_only: Optional[bool] = None) -> Any:
         ) from err
 
 
-def _refused(file: Any, err: BaseException, what: str = "") -> UnsafeCheckpointError:
+def _refused(file: Path, err: BaseException, what: str = "") -> UnsafeCheckpointError:
     """The weights-only unpickler's refusal, said with the file, the refused global and the remedy."""
     text = str(err)
     found = re.search(r"GLOBAL (\S+)", text)
@@ -161,7 +165,7 @@ def dcp_metadata_globals() -> dict[tuple[str, str], Any]:
 
 
 class _RestrictedUnpickler(pickle.Unpickler):
-    def __init__(self, file: Any, source: Path) -> None:
+    def __init__(self, file: IO[bytes], source: Path) -> None:
         super().__init__(file)
         self._allowed = dcp_metadata_globals()
         self._source = source
@@ -216,7 +220,7 @@ class SafeFileSystemReader(FileSystemReader):
     ``dcp.load`` takes any ``StorageReader``; this one changes only how pickles are read, never what.
     """
 
-    def __init__(self, path: Any, weights_only: Optional[bool] = None) -> None:
+    def __init__(self, path: Union[str, os.PathLike], weights_only: Optional[bool] = None) -> None:
         super().__init__(path)
         self.weights_only = weights_only
 
@@ -229,11 +233,11 @@ class SafeFileSystemReader(FileSystemReader):
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
-    def read_data(self, plan: Any, planner: Any) -> Any:
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Read one shard file after the other, so that a failure names its file (``checkpoint_file``)."""
         if not trusted(self.weights_only):
             planner = _WeightsOnlyEntries(planner, self)
-        per_file: dict[Path, list[Any]] = {}
+        per_file: dict[Path, list[ReadItem]] = {}
         for item in plan.items:
             per_file.setdefault(self.shard_of(item), []).append(item)
         future = None
@@ -247,7 +251,7 @@ class SafeFileSystemReader(FileSystemReader):
                 raise
         return future if future is not None else super().read_data(plan, planner)
 
-    def shard_of(self, read_item: Any) -> Path:
+    def shard_of(self, read_item: ReadItem) -> Path:
         """The shard file a read item comes from."""
         info = getattr(self, "storage_data", {}).get(read_item.storage_index)
         return Path(self.path) / (info.relative_path if info is not None else "<shard>")
@@ -258,14 +262,14 @@ class _WeightsOnlyEntries:
     first: the planner's own ``load_bytes`` (``torch.load(weights_only=False)``) then receives a pickle this
     process wrote from the admitted objects."""
 
-    def __init__(self, planner: Any, reader: SafeFileSystemReader) -> None:
+    def __init__(self, planner: LoadPlanner, reader: SafeFileSystemReader) -> None:
         self._planner = planner
         self._reader = reader
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._planner, name)
 
-    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         file = self._reader.shard_of(read_item)
         try:
             obj = torch.load(value, map_location="cpu", weights_only=True)

@@ -336,7 +336,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         example = torch.zeros((1, *shape), dtype=dtype, device="meta")
     try:
         given = _parse_costs(args.costs)
-        split: Any = [float(x) for x in args.cost_split.split(",")]
+        split: Union[list[float], list[tuple[float, float, float]]] = [float(x) for x in args.cost_split.split(",")]
         if args.measure:
             if example is None:
                 raise ValueError("--measure needs --input-shape (the backbone's input, per sample).")

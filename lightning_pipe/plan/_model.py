@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Optional, Union
 
 if TYPE_CHECKING:
+    import torch
     from torch import nn
 
 
@@ -120,7 +121,7 @@ def measure_activation_bytes(modules: Sequence[nn.Module], example_input: Any) -
 
 
 def measure_module_times(
-    modules: Sequence[nn.Module], example_input: Any, device: Any = "cpu", repeats: int = 3
+    modules: Sequence[nn.Module], example_input: Any, device: Union[str, torch.device] = "cpu", repeats: int = 3
 ) -> list[tuple[float, float, float]]:
     """Seconds per sample of each module's forward, input gradient and weight gradient on ``device``, for
     ``search_plans(costs=..., cost_split=...)`` (``python -m lightning_pipe.plan --measure``).

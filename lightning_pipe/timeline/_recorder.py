@@ -197,7 +197,7 @@ class TimelineRecorder:
             event["args"] = args
         self.events.append(event)
 
-    def _timed_compute(self, cat: str, stage: int, mb: Any, fn: Callable, args: tuple, kwargs: dict) -> Any:
+    def _timed_compute(self, cat: str, stage: int, mb: Optional[int], fn: Callable, args: tuple, kwargs: dict) -> Any:
         sync = self._sync
         if sync is not None:
             sync()
@@ -313,7 +313,7 @@ class TimelineRecorder:
 
         return wait_batch_p2p
 
-    def _label_of(self, op: Any) -> dict[str, Any]:
+    def _label_of(self, op: dist.P2POp) -> dict[str, Any]:
         known = self._op_labels.get(id(op))
         if known is not None:
             return known[1]

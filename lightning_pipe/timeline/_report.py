@@ -162,11 +162,11 @@ def write_chrome_trace(all_events: Iterable[Event], path: Union[str, os.PathLike
     complete (``"ph": "X"``) events in microseconds. Open it in https://ui.perfetto.dev or chrome://tracing."""
     events = list(all_events)
     trace: list[dict[str, Any]] = []
-    threads: set[tuple[int, Any]] = set()
+    threads: set[tuple[int, Union[int, str]]] = set()
     for e in events:
         rank = int(e["rank"])
         if e["cat"] == "comm":
-            tid: Any = _COMM_TID
+            tid: Union[int, str] = _COMM_TID
         elif e["cat"] == "collective":
             tid = _COLLECTIVE_TID
         elif e["cat"] == "step":
@@ -202,7 +202,7 @@ def write_chrome_trace(all_events: Iterable[Event], path: Union[str, os.PathLike
         json.dump({"traceEvents": meta + trace, "displayTimeUnit": "ms"}, f)
 
 
-def _thread_order(tid: Any) -> int:
+def _thread_order(tid: Union[int, str]) -> int:
     if tid == _STEP_TID:
         return -1
     if tid == _COMM_TID:
@@ -287,7 +287,9 @@ class TimelineOptions:
     png: bool = True
 
     @classmethod
-    def resolve(cls, value: Any) -> Optional["TimelineOptions"]:
+    def resolve(
+        cls, value: Union[None, bool, int, str, os.PathLike, dict, TimelineOptions]
+    ) -> Optional["TimelineOptions"]:
         """``None``/``False``: off. ``True``: defaults. An int: that step. A path string: that directory. A dict:
         the fields. A ``TimelineOptions``: itself."""
         if value is None or value is False:
