@@ -247,6 +247,24 @@ def test_block_states_are_cut_by_rows_and_other_stages_freed() -> None:
     assert whole[2:, :, 3].eq(1).all() and whole[:2].eq(0).all()
 
 
+def test_multimodal_rotary_positions_are_cut_by_their_rows() -> None:
+    """Qwen2-VL and its kin: ``generate()`` passes ``position_ids`` of ``[3 or 4, batch, length]``; a microbatch gets
+    its own rows of them, in the second dimension (its keys, values and masks in the first)."""
+    from lightning_pipe._step.caches import BlockStates, PassCaches
+    from lightning_pipe._step.generation import _PassInputs
+
+    def forward(input_ids: torch.Tensor, position_ids: torch.Tensor) -> None: ...
+
+    module = torch.nn.Module()
+    module.forward = forward
+    ids, positions, plain = torch.arange(8).view(4, 2), torch.arange(4 * 4 * 4).view(4, 4, 4), torch.zeros(4, 4, 4)
+    inputs = _PassInputs(module, (ids,), {"position_ids": positions, "other": plain}, 4, PassCaches(2),
+                         states=BlockStates([], [], []))
+    (cut_ids,), kwargs = inputs.lp_rows(2, 4, probing=None)
+    assert cut_ids.tolist() == ids[2:4].tolist()
+    assert torch.equal(kwargs["position_ids"], positions[:, 2:4]) and torch.equal(kwargs["other"], plain[2:4])
+
+
 @pytest.mark.dist
 def test_a_failure_on_the_last_stage_ends_every_rank_naming_it(launched: Path) -> None:
     errors = [torch.load(launched / f"head_fails.rank{r}.pt", weights_only=False)["error"] for r in range(4)]

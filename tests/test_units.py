@@ -283,6 +283,21 @@ def test_ghosts_of_moe_experts_multiply_in_fp32():
     assert isinstance(half, Ghost) and half.dtype == torch.bfloat16 and half.shape == real.shape
 
 
+def test_ghosts_indexed_by_a_mask_of_the_batch_take_its_shape():
+    """``logits[..., :-1, :][mask[:, 1:] != 0]`` (the loss of Granite Speech, Qwen2-Audio): torch's meta kernel needs
+    the mask's values, which the batch has; a mask that is a ghost has none, which reads a value."""
+    from lightning_pipe._ghost import GhostValueError, ghost_of
+
+    logits, mask = torch.randn(2, 5, 7), torch.tensor([[1, 1, 0, 0, 1], [0, 1, 1, 1, 1]])
+    out = ghost_of(logits)[..., :-1, :][mask[:, 1:] != 0]
+    assert isinstance(out, Ghost) and out.shape == logits[..., :-1, :][mask[:, 1:] != 0].shape
+    written = ghost_of(logits)
+    written[mask != 0] = 0.0
+    assert isinstance(written, Ghost) and written.shape == logits.shape
+    with pytest.raises(GhostValueError, match="boolean mask"):
+        ghost_of(logits)[ghost_of(mask) != 0]
+
+
 # ------------------------------------------------------------------------------------------------ one process group
 
 

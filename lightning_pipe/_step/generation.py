@@ -51,6 +51,11 @@ from lightning_pipe._step.caches import BlockStates, PassCaches, is_cache
 #: Keyword arguments of a pass that are never split by rows, even when their length equals the batch size (a prompt
 #: of as many tokens as there are prompts): Hugging Face's and litgpt's positions of the new tokens.
 _NOT_BATCHED = frozenset({"cache_position", "input_pos", "input_pos_maxp1"})
+#: Keyword arguments of a pass whose rows are not their first dimension, by name: (their number of dimensions, the
+#: rows' dimension). Multimodal rotary positions (Qwen2-VL, Qwen3-VL, Qwen3.5 and their kin) are ``position_ids`` of
+#: ``[3 or 4, batch, length]``, which ``generate()`` passes to every call; a microbatch given all the batch's rows of
+#: them would meet its own rows' queries with the whole batch's angles.
+_ROWS_DIM = {"position_ids": (3, 1)}
 _PRIMITIVE = (type(None), bool, int, float, str)
 
 
@@ -331,12 +336,22 @@ class _PassInputs:
                 return self.caches.for_rows(value, start, stop, probing)
             if name in _NOT_BATCHED:
                 return value
+            if _rows_not_first(name, value, self.batch_size):
+                return value.narrow(_ROWS_DIM[name][1], start, stop - start)
             return slice_batch(value, self.batch_size, start, stop)
 
         if not probing:  # a probe runs on ghosts (or restores what it touched): the blocks' state stays whole
             self.states.rows(start, stop)
         args = tuple(cut(a, name) for a, name in zip(self.args, self.names))
         return args, {k: cut(v, k) for k, v in self.kwargs.items()}
+
+
+def _rows_not_first(name: Any, value: Any, batch_size: int) -> bool:
+    """Whether ``value``, passed as ``name``, holds the batch's rows in a dimension other than its first."""
+    if name not in _ROWS_DIM or not isinstance(value, Tensor):
+        return False
+    dims, dim = _ROWS_DIM[name]
+    return value.dim() == dims and value.shape[dim] == batch_size
 
 
 def _positional_names(module: nn.Module, count: int) -> list[Optional[str]]:
