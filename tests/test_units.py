@@ -270,6 +270,25 @@ def test_a_module_emptied_by_the_cut_answers_from_its_ghosts_while_the_step_runs
     assert type(model.embed) is Embed
 
 
+def test_a_model_whose_blocks_are_all_it_holds_answers_from_its_ghosts_while_the_step_runs():
+    """[Note: emptied models]: GPT-1's model on the last stage holds its blocks but not the embeddings, and its forward
+    reads ``next(self.parameters())``; while the step runs, runners stand in for the blocks, so it holds nothing."""
+    from lightning_pipe._ghost import ghost_of
+    from lightning_pipe._model.emptied import ghost_parameters, lend_ghost_parameters
+
+    model = nn.Module()
+    model.embed, model.blocks = nn.Embedding(VOCAB, DIM), nn.ModuleList([Block(), Block()])
+    weight = model.embed._parameters.pop("weight")
+    object.__setattr__(model.embed, "weight", ghost_of(weight))  # what `Cut.keep_only` leaves on this rank
+    lend_ghost_parameters(model, [(model.embed, "weight")], blocks=list(model.blocks))
+    blocks = list(model.blocks)
+    model.blocks = nn.ModuleList([nn.Identity(), nn.Identity()])  # the runners, while the step runs
+    with ghost_parameters(model):
+        assert next(model.parameters()) is model.embed.weight and next(model.blocks[0].parameters(), None) is None
+    model.blocks = nn.ModuleList(blocks)
+    assert [p for p in model.parameters()] == [p for b in blocks for p in b.parameters()]  # outside the step
+
+
 def test_ghosts_of_moe_experts_multiply_in_fp32():
     """Hugging Face's MoE experts call ``torch._grouped_mm`` in fp32 on CPU; torch's meta kernel refuses what is not
     bf16, so a ghost of it has the CPU kernel's shape and dtype (GlmMoeDsa, HYV4: the blocks run on ghosts)."""
