@@ -247,6 +247,42 @@ def test_block_states_are_cut_by_rows_and_other_stages_freed() -> None:
     assert whole[2:, :, 3].eq(1).all() and whole[:2].eq(0).all()
 
 
+def test_state_a_block_keeps_in_attributes_is_kept_per_microbatch() -> None:
+    """[Note: attribute states per microbatch]: RecurrentGemma's recurrent block makes its state at the first call of
+    a batch and replaces it at each call; each microbatch continues its own rows, a shape probe changes nothing, and
+    the pass leaves the whole batch's state, as one device does."""
+    from lightning_pipe._ghost import ghost_of
+    from lightning_pipe._step.attribute_states import AttributeStates
+
+    class Recurrent(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.state: Any = None
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if self.state is None or self.state.shape[0] != x.shape[0]:
+                self.state = torch.zeros_like(x)
+            self.state = self.state * 0.5 + x
+            return self.state
+
+    inputs = [torch.arange(4.0).view(4, 1), torch.ones(4, 1)]
+    whole = Recurrent()
+    expected = [whole(x) for x in inputs]
+    split = Recurrent()
+    states = AttributeStates([split])
+    for x, out in zip(inputs, expected):
+        states.begin(batch_size=4)
+        states.rows(0, 2, probing="ghost")
+        split(ghost_of(x[:2]))  # a shape probe: it leaves a ghost, dropped
+        parts = []
+        for start in (0, 2):
+            states.rows(start, start + 2)
+            parts.append(split(x[start:start + 2]))
+        states.end()
+        assert torch.equal(torch.cat(parts), out)
+    assert torch.equal(split.state, whole.state)
+
+
 def test_multimodal_rotary_positions_are_cut_by_their_rows() -> None:
     """Qwen2-VL and its kin: ``generate()`` passes ``position_ids`` of ``[3 or 4, batch, length]``; a microbatch gets
     its own rows of them, in the second dimension (its keys, values and masks in the first)."""

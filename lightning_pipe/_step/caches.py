@@ -38,6 +38,7 @@ from torch import Tensor, nn
 
 from lightning_pipe._errors import BackboneCallError
 from lightning_pipe._ghost import Ghost, ghost_of
+from lightning_pipe._step.attribute_states import AttributeStates
 
 #: The layer kinds of Hugging Face's caches that split by rows (a layer of a subclass of one of them too, unless it is
 #: also one of :data:`_NOT_SPLITTABLE`): tensors per row (keys and values ``[batch, heads, length, dim]``, conv and
@@ -186,6 +187,8 @@ class BlockStates:
         self.local, self.others = local, others
         self.known = {id(b): weakref.ref(b) for b in known}  # by id, checked alive: an id may be reused
         self._cut: list[tuple[dict, str, Tensor]] = []
+        #: plain attributes (RecurrentGemma's): [Note: attribute states per microbatch]
+        self.attributes = AttributeStates([m for block in local for m in block.modules()])
 
     def begin(self, batch_size: int) -> None:
         self._cut = [
@@ -195,14 +198,20 @@ class BlockStates:
         ]
         for table, name, value in _new_buffers(self.others, self.known):
             table[name] = ghost_of(value)  # another stage's layer: its state is that stage's
+        self.attributes.begin(batch_size)
 
-    def rows(self, start: int, stop: int) -> None:
-        for table, name, value in self._cut:
-            table[name] = value[start:stop]
+    def rows(self, start: int, stop: int, probing: Optional[str] = None) -> None:
+        """Before a stage run of the rows ``start:stop`` (``probing``: a shape probe, which runs on ghosts or restores
+        what it touched: the buffers stay whole)."""
+        if not probing:
+            for table, name, value in self._cut:
+                table[name] = value[start:stop]
+        self.attributes.rows(start, stop, probing)
 
     def end(self) -> None:
         for table, name, value in self._cut:
             table[name] = value
+        self.attributes.end()
 
 
 def _new_buffers(blocks: list[nn.Module], known: dict[int, Any]) -> list[tuple[dict, str, Tensor]]:

@@ -340,8 +340,7 @@ class _PassInputs:
                 return value.narrow(_ROWS_DIM[name][1], start, stop - start)
             return slice_batch(value, self.batch_size, start, stop)
 
-        if not probing:  # a probe runs on ghosts (or restores what it touched): the blocks' state stays whole
-            self.states.rows(start, stop)
+        self.states.rows(start, stop, probing)
         args = tuple(cut(a, name) for a, name in zip(self.args, self.names))
         return args, {k: cut(v, k) for k, v in self.kwargs.items()}
 
