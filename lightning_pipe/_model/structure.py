@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_flatten, tree_leaves
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from lightning_pipe import _ghost
 from lightning_pipe._compat.transformers import install_output_capturing
@@ -127,6 +127,7 @@ class _Analysis(BlockCalls):
         self.producers: dict[int, tuple[Producer, int]] = {}  # id(ghost) -> (producer, position)
         self.derived: dict[int, tuple[int, list[int], list[int], str]] = {}  # id -> (position, inputs, params, op)
         self.uses: dict[int, set[int]] = {}  # id(ghost) -> positions that use it
+        self.ran: set[int] = set()  # the blocks that ran on ghosts
 
     def _keep(self, ghost: Tensor) -> int:
         self.kept[id(ghost)] = ghost
@@ -237,10 +238,13 @@ class _Analysis(BlockCalls):
         try:
             out = block(*args, **kwargs)
         except (GhostValueError, RuntimeError, NotImplementedError, TypeError) as err:
-            # The block cannot run on ghosts (e.g. data-dependent routing): assume it returns its hidden state's
-            # kind and shape, and check what it really returns when it first runs.
-            log.debug("block %d does not run on ghosts (%s); assuming it returns a tensor", index, err)
-            out = ghost_of(hidden, self.device)
+            # The block cannot run on ghosts (e.g. data-dependent routing): assume it returns what an earlier block
+            # of its class returned, or its hidden state's kind and shape, and check what it really returns when it
+            # first runs.
+            log.debug("block %d does not run on ghosts (%s); assuming its output", index, err)
+            out = self._assumed_output(index, args, kwargs, hidden)
+        else:
+            self.ran.add(index)
         finally:
             self.in_block = False
         self.structure.outputs[index] = _output_kind(backbone.blocks[index].name, out)
@@ -261,6 +265,32 @@ class _Analysis(BlockCalls):
         )
         self.chain = self.program.hidden_of(index, out)
         return out
+
+    def _assumed_output(self, index: int, args: tuple, kwargs: dict, hidden: Tensor) -> Any:
+        """What block ``index``, which cannot run on ghosts, is taken to return: what the nearest earlier block of its
+        class that ran returned, with this call's hidden state's shape and this call's arguments where that block
+        passed its own through (Switch Transformers' sparse blocks, whose expert routing reads values, return
+        ``(hidden, position bias, cross-attention bias)`` as the dense blocks between them do); with none, a tensor
+        of the hidden state's shape."""
+        backbone = self.program.backbone
+        kind = type(backbone.module(index))
+        earlier = next((j for j in range(index - 1, -1, -1) if j in self.ran and type(backbone.module(j)) is kind), None)
+        if earlier is None or self.structure.outputs[earlier] is None:
+            return ghost_of(hidden, self.device)
+        io = self.structure.block_io[earlier]
+        at = self.structure.outputs[earlier][1]
+        given = tree_leaves((args, kwargs))
+        leaves = []
+        for i, leaf in enumerate(io.out_leaves):
+            if i == at:
+                leaves.append(ghost_of(hidden, self.device))
+            elif i in io.passed and io.passed[i] < len(given):
+                leaves.append(given[io.passed[i]])
+            elif isinstance(leaf, Tensor):
+                leaves.append(Ghost(torch.empty(leaf.shape, dtype=leaf.dtype, device="meta"), self.device))
+            else:
+                leaves.append(leaf)
+        return tree_unflatten(leaves, io.out_spec)
 
     # --------------------------------------------------------------------------------------------- the result
     def resolve(self) -> Structure:
