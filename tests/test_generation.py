@@ -201,6 +201,10 @@ def test_beam_reorder_moves_rows_between_microbatches() -> None:
     assert rows.tolist() == [3.0, 0.0, 0.0, 2.0]
     values = torch.cat([sub.layers[0].values[:, 0, 0, 0] for sub in caches.live])
     assert values.tolist() == [103.0, 100.0, 100.0, 102.0]
+    for sub in caches.live:  # an entry that holds no rows yet (Unlimited OCR's sliding keys during the prompt)
+        sub.layers[0].window_keys = torch.tensor([])
+    user.reorder_cache(torch.tensor([1, 1, 2, 3]))
+    assert torch.cat([sub.layers[0].keys[:, 0, 0, 0] for sub in caches.live]).tolist() == [0.0, 0.0, 0.0, 2.0]
 
 
 def test_what_cannot_split_is_refused_and_release_frees() -> None:

@@ -138,7 +138,10 @@ class PassCaches:
             if not _holds(layers[0]):
                 continue
             for name, key, dim in _row_slots(layers[0]):
-                whole = torch.cat([_slot(layer, name, key) for layer in layers], dim=dim)
+                parts = [_slot(layer, name, key) for layer in layers]
+                if all(_placeholder(part, dim) for part in parts):  # nothing held yet (the layer's own reorder skips)
+                    continue
+                whole = torch.cat(parts, dim=dim)
                 whole = whole.index_select(dim, beam_idx.to(whole.device))
                 for layer, part in zip(layers, whole.split(sizes, dim=dim)):
                     _set_slot(layer, name, key, part)
@@ -302,6 +305,12 @@ def _set_slot(layer: Any, name: str, key: Any, value: Tensor) -> None:
         getattr(layer, name)[key] = value
 
 
+def _placeholder(value: Tensor, dim: int) -> bool:
+    """An empty tensor that holds no rows yet (Hugging Face's layers start with ``torch.tensor([])``; Unlimited OCR's
+    sliding-window keys stay so while the prompt is in its prefill entries)."""
+    return value.numel() == 0 and value.dim() <= dim + 1
+
+
 def _filled(cache: Any) -> bool:
     return any(
         isinstance(_slot(layer, name, key), Ghost) or _slot(layer, name, key).numel() > 0
@@ -329,7 +338,7 @@ def _ghost_layer(layer: Any, rows: Optional[int] = None) -> Any:
     for name, key, dim in _row_slots(layer):
         value = _slot(layer, name, key)
         shape = list(value.shape)
-        if rows is not None and (value.numel() > 0 or value.dim() > dim + 1):  # not an empty placeholder
+        if rows is not None and not _placeholder(value, dim):
             shape[dim] = rows
         _set_slot(twin, name, key, Ghost(torch.empty(shape, dtype=value.dtype, device="meta"), value.device))
     return twin
