@@ -289,6 +289,33 @@ def test_a_model_whose_blocks_are_all_it_holds_answers_from_its_ghosts_while_the
     assert [p for p in model.parameters()] == [p for b in blocks for p in b.parameters()]  # outside the step
 
 
+def test_sequence_first_hidden_states_hold_the_rows_in_their_second_dimension():
+    """[Note: sequence-first hidden states]: FSMT's and XLNet's blocks take ``[length, batch, width]``; the batch's
+    token ids are ``[batch, length]``. Evaluation merges the microbatches' outputs along the rows' dimension."""
+    from lightning_pipe._model.calls import rows_dim
+    from lightning_pipe._step.pipeline import _merged
+
+    batch = {"input_ids": torch.zeros(8, 28, dtype=torch.long), "labels": torch.zeros(8, 14, dtype=torch.long)}
+    assert rows_dim((28, 8, 32), batch) == 1 and rows_dim((8, 28, 32), batch) == 0
+    assert rows_dim((8, 8, 32), batch) == 0  # as many positions as rows: batch first, as before
+    parts = [torch.full((5, 2, 3), float(i)) for i in range(4)]
+    merged = _merged(torch.cat(parts), (5, 2, 3), rows=2, num_microbatches=4, rows_dim=1)  # as torch merges
+    assert torch.equal(merged, torch.cat(parts, dim=1))
+    assert torch.equal(_merged(torch.cat(parts), (5, 2, 3), rows=5, num_microbatches=4, rows_dim=0), torch.cat(parts))
+
+
+def test_a_microbatch_writes_its_own_copy_of_the_batch_rows():
+    """FSMT fills its labels' -100 in place: a microbatch's write must not bump the version of the tensors another
+    microbatch's loss saved (a view shares the whole batch's counter)."""
+    from lightning_pipe._model.calls import slice_batch
+
+    labels = torch.full((4, 3), -100)
+    first, second = slice_batch(labels, 4, 0, 2), slice_batch(labels, 4, 2, 4)
+    version = first._version
+    second.masked_fill_(second == -100, 0)
+    assert first._version == version and labels.eq(-100).all()
+
+
 def test_ghosts_of_moe_experts_multiply_in_fp32():
     """Hugging Face's MoE experts call ``torch._grouped_mm`` in fp32 on CPU; torch's meta kernel refuses what is not
     bf16, so a ghost of it has the CPU kernel's shape and dtype (GlmMoeDsa, HYV4: the blocks run on ghosts)."""

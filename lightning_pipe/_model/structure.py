@@ -274,7 +274,8 @@ class _Analysis(BlockCalls):
         of the hidden state's shape."""
         backbone = self.program.backbone
         kind = type(backbone.module(index))
-        earlier = next((j for j in range(index - 1, -1, -1) if j in self.ran and type(backbone.module(j)) is kind), None)
+        same = [j for j in range(index) if j in self.ran and type(backbone.module(j)) is kind]
+        earlier = same[-1] if same else None
         if earlier is None or self.structure.outputs[earlier] is None:
             return ghost_of(hidden, self.device)
         io = self.structure.block_io[earlier]

@@ -45,7 +45,7 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 from lightning_pipe import _watchdog
 from lightning_pipe._errors import BackboneCallError
 from lightning_pipe._ghost import Ghost, GhostValueError, contains_ghost
-from lightning_pipe._model.calls import slice_batch
+from lightning_pipe._model.calls import rows_dim, slice_batch
 from lightning_pipe._step.caches import BlockStates, PassCaches, is_cache
 
 #: Keyword arguments of a pass that are never split by rows, even when their length equals the batch size (a prompt
@@ -132,9 +132,11 @@ class LockStep:
         program = self.runtime.program
         rows = batch_size // num_microbatches
         whole = program.hidden_shape_of(step, *args, **kwargs)
+        expected = list(whole)
+        expected[rows_dim(whole, args[:1])] = rows  # [Note: sequence-first hidden states]
         for start in range(0, batch_size, rows):
             part = slice_batch(args[0], batch_size, start, start + rows)
-            if program.hidden_shape_of(step, part, *args[1:], **kwargs) != (rows, *whole[1:]):
+            if program.hidden_shape_of(step, part, *args[1:], **kwargs) != tuple(expected):
                 return False
         self._rows_checked.add(_name(step))
         return True
@@ -239,7 +241,7 @@ class LockStep:
         try:
             with program.holding(call, inputs, batch_size):
                 sample = program.sub_batch(torch.arange(batch_size // num_microbatches))
-                output = pipeline.eval_step(sample, batch_size, num_microbatches)
+                output = pipeline.eval_step(sample, batch_size, num_microbatches, rows_dim=program.rows_dim)
         finally:
             self.states.end()
         answer: Any = None
