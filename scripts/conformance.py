@@ -108,6 +108,7 @@ def run_case(case: cm.Case, devices: int, recorder: Recorder) -> dict[str, Any]:
     trainer = L.Trainer(**kwargs)
     trainer.fit(module, DataLoader(train, batch_size=8, collate_fn=collate))
     final = _plain(module.state_dict())
+    recorder.phase = "predict"  # a failure in `trainer.predict`, its setup included, is the prediction's
     predictions = trainer.predict(module, DataLoader(predict, batch_size=8, collate_fn=collate))
     return {"losses": recorder.losses, "initial": recorder.initial, "final": final,
             "predictions": [{k: v.detach().cpu() for k, v in p.items()} for p in predictions],

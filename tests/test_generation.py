@@ -287,6 +287,26 @@ def test_state_a_block_keeps_in_attributes_is_kept_per_microbatch() -> None:
     assert torch.equal(split.state, whole.state)
 
 
+def test_a_pass_given_back_what_stages_computed_in_parts_is_refused() -> None:
+    """XLNet's ``mems`` (per-layer memories, which ``generate()`` passes back): each stage computed its own layers',
+    so the answer holds ghosts; the next pass refuses on every rank. A cache object is the pipeline's to split."""
+    from transformers import DynamicCache
+
+    from lightning_pipe import BackboneCallError
+    from lightning_pipe._ghost import ghost_of
+    from lightning_pipe._step.generation import _check_no_ghosts
+
+    def forward(input_ids: torch.Tensor, mems: Any = None, past_key_values: Any = None) -> None: ...
+
+    module = torch.nn.Module()
+    module.forward = forward
+    cache = DynamicCache()
+    cache.update(ghost_of(torch.zeros(2, 2, 3, 4)), ghost_of(torch.zeros(2, 2, 3, 4)), 0)
+    _check_no_ghosts(module, (torch.zeros(2, 3),), {"past_key_values": cache})
+    with pytest.raises(BackboneCallError, match="`mems` back from an earlier pass"):
+        _check_no_ghosts(module, (torch.zeros(2, 3),), {"mems": (torch.zeros(3, 2, 4), ghost_of(torch.zeros(3, 2, 4)))})
+
+
 def test_multimodal_rotary_positions_are_cut_by_their_rows() -> None:
     """Qwen2-VL and its kin: ``generate()`` passes ``position_ids`` of ``[3 or 4, batch, length]``; a microbatch gets
     its own rows of them, in the second dimension (its keys, values and masks in the first)."""

@@ -316,6 +316,27 @@ def test_a_microbatch_writes_its_own_copy_of_the_batch_rows():
     assert first._version == version and labels.eq(-100).all()
 
 
+def test_a_later_call_whose_step_reads_a_parameter_where_the_cut_did_not_put_it_is_refused():
+    """The cut is kept across Trainer calls; XLNet's ``generate()`` reads ``mask_emb`` before the first block, which
+    its training step never reads: the stage running that code would read a ghost, so setup refuses, naming it."""
+    from lightning_pipe import BackboneCallError
+    from lightning_pipe._model.split import _refuse_reads_elsewhere
+
+    model = Net()
+    cut = cut_of(model)
+    _refuse_reads_elsewhere(model, cut, lambda: (model.training_step, (batch(), 0)), CPU, fitting=True)
+
+    def reads_the_head_first(data: Any, batch_idx: int) -> torch.Tensor:
+        x, y = data
+        h = model.before(x) * model.head.bias.mean()
+        for block in model.blocks:
+            h = block(h)
+        return F.cross_entropy(model.after(h).flatten(0, 1), y.flatten())
+
+    with pytest.raises(BackboneCallError, match=r"`head.bias` before block 0, which stage 0 runs"):
+        _refuse_reads_elsewhere(model, cut, lambda: (reads_the_head_first, (batch(), 0)), CPU, fitting=True)
+
+
 def test_ghosts_of_moe_experts_multiply_in_fp32():
     """Hugging Face's MoE experts call ``torch._grouped_mm`` in fp32 on CPU; torch's meta kernel refuses what is not
     bf16, so a ghost of it has the CPU kernel's shape and dtype (GlmMoeDsa, HYV4: the blocks run on ghosts)."""

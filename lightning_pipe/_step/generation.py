@@ -233,6 +233,7 @@ class LockStep:
         program, pipeline = runtime.program, runtime.pipeline
         call = functools.partial(_call, module)
         _check_caches(args, kwargs)
+        _check_no_ghosts(module, args, kwargs)
         batch_size = program.batch_size_of(call, (args, kwargs))
         num_microbatches = runtime.microbatches.for_batch(batch_size)
         self.caches.begin_pass()
@@ -387,6 +388,23 @@ def _check_caches(args: tuple, kwargs: dict) -> None:
                     " `PipelineStrategy` splits a cache passed as an argument of the model call itself (as"
                     " `generate()` passes `past_key_values`): pass it as its own argument."
                 )
+
+
+def _check_no_ghosts(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    """A pass given back a value an earlier pass returned that no rank holds whole (each stage computed its own
+    layers' part: XLNet's ``mems``, a per-layer memory ``generate()`` passes back as a cache) would run on it: refused,
+    on every rank alike (each got the same answer), before anything is sent."""
+    names = _positional_names(module, len(args))
+    for name, value in [*zip(names, args), *kwargs.items()]:
+        if is_cache(value) or not contains_ghost(value):
+            continue
+        raise BackboneCallError(
+            f"A generation pass got `{name or 'a positional argument'}` back from an earlier pass, which the pipeline"
+            " stages compute in parts (each stage its own layers'), so no rank holds it whole. Under `PipelineStrategy`"
+            " a decoding loop may carry the model's tokens, logits and a `Cache` object (`DynamicCache`, which each"
+            " stage fills for its own layers) from one call to the next. Generate without this value (XLNet:"
+            " `use_mems=False`), or without `PipelineStrategy`."
+        )
 
 
 def _describe(answer: Any, input_leaves: list[Any]) -> tuple[tuple[Any, list[tuple]], list[Tensor]]:
