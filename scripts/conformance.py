@@ -58,10 +58,10 @@ BEGIN, END = "<!-- conformance:begin -->", "<!-- conformance:end -->"
 ATOL = 1e-5
 CLASSES = ("exact", "refused", "defect", "not built", "not run")
 #: the CI sample (tests/test_conformance.py): one shared launch
-SAMPLE = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "GemmaForCausalLM", "PhiForCausalLM",
-          "FalconForCausalLM", "OPTForCausalLM", "MixtralForCausalLM", "SD3Transformer2DModel",
-          "FluxTransformer2DModel", "HYV4ForCausalLM", "SkyReelsV2Transformer3DModel", "GPT2LMHeadModel",
-          "FalconMambaForCausalLM")
+SAMPLE = ("LlamaForCausalLM", "Qwen3VLForConditionalGeneration", "Qwen2ForCausalLM", "GemmaForCausalLM",
+          "RecurrentGemmaForCausalLM", "FalconForCausalLM", "OPTForCausalLM", "MixtralForCausalLM",
+          "SD3Transformer2DModel", "FluxTransformer2DModel", "HYV4ForCausalLM", "SkyReelsV2Transformer3DModel",
+          "GPT2LMHeadModel", "FalconMambaForCausalLM")
 ORDER = ("diffusers", "causal-lm", "seq2seq", "image-text-to-text")
 
 

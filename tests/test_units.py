@@ -337,6 +337,20 @@ def test_a_later_call_whose_step_reads_a_parameter_where_the_cut_did_not_put_it_
         _refuse_reads_elsewhere(model, cut, lambda: (reads_the_head_first, (batch(), 0)), CPU, fitting=True)
 
 
+def test_a_run_on_ghosts_leaves_no_ghost_in_plain_attributes():
+    """RecurrentGemma keeps its states in plain attributes; the setup's analysis runs the step on ghosts, and a real
+    decoding step after it must not continue from them. The ghosts a cut leaves for another stage's parameters stay."""
+    from lightning_pipe._ghost import ghost_of
+    from lightning_pipe._model.untouched import no_ghosts_left
+
+    model = nn.Sequential(nn.Linear(2, 2))
+    model[0].state, model[0].kept = None, ghost_of(torch.zeros(3))
+    kept = model[0].kept
+    with no_ghosts_left(model):
+        model[0].state, model[0].made = ghost_of(torch.zeros(2)), ghost_of(torch.zeros(1))
+    assert model[0].state is None and not hasattr(model[0], "made") and model[0].kept is kept
+
+
 def test_ghosts_of_moe_experts_multiply_in_fp32():
     """Hugging Face's MoE experts call ``torch._grouped_mm`` in fp32 on CPU; torch's meta kernel refuses what is not
     bf16, so a ghost of it has the CPU kernel's shape and dtype (GlmMoeDsa, HYV4: the blocks run on ghosts)."""

@@ -204,10 +204,12 @@ def _refuse_reads_elsewhere(
     for reg in cut.registrations:  # a tied tensor: the stages of each of its registrations
         held[id(reg.tensor)] = held.get(id(reg.tensor), frozenset()) | reg.stages
     for pid, regions in structure.region_params.items():
-        for region in sorted(regions):
+        # only the code before and between the blocks: after the backbone, a step that generates runs its next
+        # model call's code before the backbone, which the kept cut places by that step's first call
+        for region in sorted(r for r in regions if r < len(cut.backbone)):
             stage = cut.region_stage(region)
             if pid in held and stage not in held[pid]:
-                where = f"before block {region}" if region < len(cut.backbone) else "after the backbone"
+                where = f"before block {region}"
                 raise BackboneCallError(
                     f"`{getattr(step, '__name__', step)}` reads the parameter `{names.get(pid, '?')}` {where}, which"
                     f" stage {stage} runs, but the module was cut for the first Trainer call's step, which does not"

@@ -50,6 +50,7 @@ from lightning_pipe._model.calls import (
 )
 from lightning_pipe._model.flow import Producer, Unsendable, block_position, region_position
 from lightning_pipe._model.inner import record_call
+from lightning_pipe._model.untouched import no_ghosts_left
 
 log = logging.getLogger(__name__)
 
@@ -403,24 +404,26 @@ def everything_ghosted(
     computes in when it is not its own (``{id: dtype}``: a sharded parameter all-gathered in bf16)."""
     ghosts: dict[int, Ghost] = {}
     swaps: list[tuple[dict, str, Tensor]] = []
-    try:
-        for path, sub in module.named_modules(remove_duplicate=False):
-            owned = sub._parameters
-            meta_buffers = any(v is not None and v.is_meta for v in sub._buffers.values())  # built on meta: no values
-            tables = [owned] + ([sub._buffers] if meta_buffers or any(v is not None for v in owned.values()) else [])
-            for table in tables:
-                for name, value in list(table.items()):
-                    if value is None or isinstance(value, Ghost):
-                        continue
-                    ghost = ghosts.get(id(value))
-                    if ghost is None:
-                        origin = f"{path}.{name}".lstrip(".")
-                        dtype = (dtypes or {}).get(id(value))
-                        source = value if dtype is None else torch.empty(value.shape, dtype=dtype, device="meta")
-                        ghost = ghosts[id(value)] = ghost_of(source, device, origin)
-                    swaps.append((table, name, value))
-                    table[name] = ghost
-        yield ghosts
-    finally:
-        for table, name, value in reversed(swaps):
-            table[name] = value
+    with no_ghosts_left(module):  # what the run keeps in plain attributes (RecurrentGemma's states)
+        try:
+            for path, sub in module.named_modules(remove_duplicate=False):
+                owned = sub._parameters
+                meta_buffers = any(v is not None and v.is_meta for v in sub._buffers.values())  # on meta: no values
+                with_buffers = meta_buffers or any(v is not None for v in owned.values())
+                tables = [owned] + ([sub._buffers] if with_buffers else [])
+                for table in tables:
+                    for name, value in list(table.items()):
+                        if value is None or isinstance(value, Ghost):
+                            continue
+                        ghost = ghosts.get(id(value))
+                        if ghost is None:
+                            origin = f"{path}.{name}".lstrip(".")
+                            dtype = (dtypes or {}).get(id(value))
+                            source = value if dtype is None else torch.empty(value.shape, dtype=dtype, device="meta")
+                            ghost = ghosts[id(value)] = ghost_of(source, device, origin)
+                        swaps.append((table, name, value))
+                        table[name] = ghost
+            yield ghosts
+        finally:
+            for table, name, value in reversed(swaps):
+                table[name] = value
