@@ -418,11 +418,12 @@ def rows_dim(hidden: tuple[int, ...], batch: Any) -> int:
     [Note: sequence-first hidden states] Most backbones take the hidden state batch first (``[batch, length,
     width]``); FSMT's and XLNet's take it sequence first (``[length, batch, width]``). The pipeline cuts the batch into
     microbatches by rows, so it needs the rows' count: the first dimension, unless no tensor of the batch has that
-    many rows and the second is the first dimension of one (the ``[batch, length]`` token ids). A microbatch's hidden
-    state then holds its rows in its second dimension; its stage runs compute from the microbatch's rows of the batch,
-    so only what merges the microbatches' outputs again (the last stage's output in evaluation) reads this."""
+    many rows and the second (of three or more) is the first dimension of one (the ``[batch, length]`` token ids).
+    A microbatch's hidden state then holds its rows in its second dimension; its stage runs compute from the
+    microbatch's rows of the batch, so only what merges the microbatches' outputs again (the last stage's output in
+    evaluation) reads this."""
     firsts = {leaf.shape[0] for leaf in tree_leaves(batch) if isinstance(leaf, Tensor) and leaf.dim() > 0}
-    if hidden[0] in firsts or len(hidden) < 2 or hidden[1] not in firsts:
+    if hidden[0] in firsts or len(hidden) < 3 or hidden[1] not in firsts:
         return 0
     return 1
 
