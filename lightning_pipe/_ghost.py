@@ -103,6 +103,8 @@ class Ghost(torch.Tensor):
         if "device" in kwargs and kwargs["device"] is not None:
             device = torch.device(kwargs["device"])
             kwargs = {**kwargs, "device": "meta"}
+        if func in _MASKED:
+            args = _masks_as_positions(args)
         metas: dict[int, Ghost] = {}
 
         def to_meta(value: Any) -> Any:
@@ -135,6 +137,37 @@ def _grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, *args: Any, **kwargs: 
     out_dtype = kwargs.pop("out_dtype", None) or mat_a.dtype
     out = torch.ops.aten._grouped_mm.default(mat_a.to(torch.bfloat16), mat_b.to(torch.bfloat16), *args, **kwargs)
     return torch.empty(out.shape, dtype=out_dtype, device="meta")
+
+
+#: Indexing that takes boolean masks (``logits[mask != 0]``, Hugging Face's audio and speech models' loss), which
+#: torch's meta kernels turn into positions with ``nonzero``: that needs the mask's values, which the meta device does
+#: not have. See :func:`_masks_as_positions`.
+_MASKED = {
+    torch.ops.aten.index.Tensor,
+    torch.ops.aten.index_put.default,
+    torch.ops.aten.index_put_.default,
+    torch.ops.aten._index_put_impl_.default,
+}
+
+
+def _masks_as_positions(args: tuple) -> tuple:
+    """``args`` of an indexing operation (the tensor, its list of indices, the rest) whose real boolean masks (from
+    the batch) became their positions, as torch's own kernels do first: the ghost it gives has the real shape. A mask
+    that is itself a ghost has no values to count: that reads a value (:class:`GhostValueError`)."""
+    tensor, indices, *rest = args
+    positions: list[Any] = []
+    for index in indices:
+        if isinstance(index, torch.Tensor) and index.dtype in (torch.bool, torch.uint8):
+            if isinstance(index, Ghost):
+                raise GhostValueError(
+                    f"The code indexed with a boolean mask, {index!r}, which this pipeline stage does not compute:"
+                    " the result's shape depends on the mask's values. Compute masks from the batch, not from"
+                    " parameters, or index after the backbone call with the mask of the batch."
+                )
+            positions.extend(index.nonzero(as_tuple=True))
+        else:
+            positions.append(index)
+    return (tensor, positions, *rest)
 
 
 #: Meta-device stand-ins for operations whose meta kernel refuses what the real device computes.

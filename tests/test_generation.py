@@ -201,6 +201,10 @@ def test_beam_reorder_moves_rows_between_microbatches() -> None:
     assert rows.tolist() == [3.0, 0.0, 0.0, 2.0]
     values = torch.cat([sub.layers[0].values[:, 0, 0, 0] for sub in caches.live])
     assert values.tolist() == [103.0, 100.0, 100.0, 102.0]
+    for sub in caches.live:  # an entry that holds no rows yet (Unlimited OCR's sliding keys during the prompt)
+        sub.layers[0].window_keys = torch.tensor([])
+    user.reorder_cache(torch.tensor([1, 1, 2, 3]))
+    assert torch.cat([sub.layers[0].keys[:, 0, 0, 0] for sub in caches.live]).tolist() == [0.0, 0.0, 0.0, 2.0]
 
 
 def test_what_cannot_split_is_refused_and_release_frees() -> None:
@@ -245,6 +249,80 @@ def test_block_states_are_cut_by_rows_and_other_stages_freed() -> None:
     states.end()
     assert mine.attn.kv_cache.k is whole
     assert whole[2:, :, 3].eq(1).all() and whole[:2].eq(0).all()
+
+
+def test_state_a_block_keeps_in_attributes_is_kept_per_microbatch() -> None:
+    """[Note: attribute states per microbatch]: RecurrentGemma's recurrent block makes its state at the first call of
+    a batch and replaces it at each call; each microbatch continues its own rows, a shape probe changes nothing, and
+    the pass leaves the whole batch's state, as one device does."""
+    from lightning_pipe._ghost import ghost_of
+    from lightning_pipe._step.attribute_states import AttributeStates
+
+    class Recurrent(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.state: Any = None
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if self.state is None or self.state.shape[0] != x.shape[0]:
+                self.state = torch.zeros_like(x)
+            self.state = self.state * 0.5 + x
+            return self.state
+
+    inputs = [torch.arange(4.0).view(4, 1), torch.ones(4, 1)]
+    whole = Recurrent()
+    expected = [whole(x) for x in inputs]
+    split = Recurrent()
+    states = AttributeStates([split])
+    for x, out in zip(inputs, expected):
+        states.begin(batch_size=4)
+        states.rows(0, 2, probing="ghost")
+        split(ghost_of(x[:2]))  # a shape probe: it leaves a ghost, dropped
+        parts = []
+        for start in (0, 2):
+            states.rows(start, start + 2)
+            parts.append(split(x[start:start + 2]))
+        states.end()
+        assert torch.equal(torch.cat(parts), out)
+    assert torch.equal(split.state, whole.state)
+
+
+def test_a_pass_given_back_what_stages_computed_in_parts_is_refused() -> None:
+    """XLNet's ``mems`` (per-layer memories, which ``generate()`` passes back): each stage computed its own layers',
+    so the answer holds ghosts; the next pass refuses on every rank. A cache object is the pipeline's to split."""
+    from transformers import DynamicCache
+
+    from lightning_pipe import BackboneCallError
+    from lightning_pipe._ghost import ghost_of
+    from lightning_pipe._step.generation import _check_no_ghosts
+
+    def forward(input_ids: torch.Tensor, mems: Any = None, past_key_values: Any = None) -> None: ...
+
+    module = torch.nn.Module()
+    module.forward = forward
+    cache = DynamicCache()
+    cache.update(ghost_of(torch.zeros(2, 2, 3, 4)), ghost_of(torch.zeros(2, 2, 3, 4)), 0)
+    _check_no_ghosts(module, (torch.zeros(2, 3),), {"past_key_values": cache})
+    with pytest.raises(BackboneCallError, match="`mems` back from an earlier pass"):
+        _check_no_ghosts(module, (torch.zeros(2, 3),), {"mems": (torch.zeros(3, 2, 4), ghost_of(torch.zeros(3, 2, 4)))})
+
+
+def test_multimodal_rotary_positions_are_cut_by_their_rows() -> None:
+    """Qwen2-VL and its kin: ``generate()`` passes ``position_ids`` of ``[3 or 4, batch, length]``; a microbatch gets
+    its own rows of them, in the second dimension (its keys, values and masks in the first)."""
+    from lightning_pipe._step.caches import BlockStates, PassCaches
+    from lightning_pipe._step.generation import _PassInputs
+
+    def forward(input_ids: torch.Tensor, position_ids: torch.Tensor) -> None: ...
+
+    module = torch.nn.Module()
+    module.forward = forward
+    ids, positions, plain = torch.arange(8).view(4, 2), torch.arange(4 * 4 * 4).view(4, 4, 4), torch.zeros(4, 4, 4)
+    inputs = _PassInputs(module, (ids,), {"position_ids": positions, "other": plain}, 4, PassCaches(2),
+                         states=BlockStates([], [], []))
+    (cut_ids,), kwargs = inputs.lp_rows(2, 4, probing=None)
+    assert cut_ids.tolist() == ids[2:4].tolist()
+    assert torch.equal(kwargs["position_ids"], positions[:, 2:4]) and torch.equal(kwargs["other"], plain[2:4])
 
 
 @pytest.mark.dist

@@ -384,6 +384,50 @@ def test_what_each_boundary_carries_moe_router_logits_and_sd3():
     assert sd3.flow.answers[-1] == ("block", 2, 0, 1)  # the image stream, after the `None`
 
 
+class _RoutedBlock(nn.Module):
+    """Returns ``(hidden, bias)`` (the first block computes the bias, the others pass it on); a routed block picks its
+    rows by value, which cannot run on ghosts (Switch Transformers' sparse blocks between dense ones)."""
+
+    def __init__(self, routed: bool) -> None:
+        super().__init__()
+        self.lin, self.routed = nn.Linear(zoo.DIM, zoo.DIM), routed
+
+    def forward(self, h: torch.Tensor, bias: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+        bias = self.lin.bias * 0.1 if bias is None else bias
+        out = h + torch.tanh(self.lin(h)) + bias
+        if self.routed:
+            picked = (out.sum(-1) > 0).nonzero(as_tuple=True)
+            out = out.index_put(picked, out[picked] * 2)
+        return out, bias
+
+
+class Routed(Net):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_RoutedBlock(routed=i % 2 == 1) for i in range(4)])
+
+    def trunk(self, h: torch.Tensor) -> torch.Tensor:
+        bias = None
+        for block in self.blocks:
+            h, bias = block(h, bias)
+        return h
+
+
+def test_a_block_that_cannot_run_on_ghosts_returns_what_the_one_before_of_its_class_did():
+    """The analysis runs blocks on ghosts; one whose routing reads values is taken to return what the nearest earlier
+    block of its class returned (its own hidden state and the arguments it passes on), not a bare tensor, which the
+    loop's unpacking would refuse."""
+    from lightning_pipe._model.backbone import find_backbone
+    from lightning_pipe._model.structure import analyze
+
+    model = Routed()
+    batch = next(iter(zoo.loader("nano", n=4, batch_size=4)))
+    structure = analyze(model, find_backbone(model, "blocks"), model.training_step, (batch, 0), torch.device("cpu"),
+                        training=True)
+    assert structure.outputs[1][:2] == structure.outputs[0][:2] == (tuple, 0)
+    assert structure.block_io[3].passed == structure.block_io[2].passed == {1: 1}  # the bias, passed on
+
+
 class Shift(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -270,6 +270,87 @@ def test_a_module_emptied_by_the_cut_answers_from_its_ghosts_while_the_step_runs
     assert type(model.embed) is Embed
 
 
+def test_a_model_whose_blocks_are_all_it_holds_answers_from_its_ghosts_while_the_step_runs():
+    """[Note: emptied models]: GPT-1's model on the last stage holds its blocks but not the embeddings, and its forward
+    reads ``next(self.parameters())``; while the step runs, runners stand in for the blocks, so it holds nothing."""
+    from lightning_pipe._ghost import ghost_of
+    from lightning_pipe._model.emptied import ghost_parameters, lend_ghost_parameters
+
+    model = nn.Module()
+    model.embed, model.blocks = nn.Embedding(VOCAB, DIM), nn.ModuleList([Block(), Block()])
+    weight = model.embed._parameters.pop("weight")
+    object.__setattr__(model.embed, "weight", ghost_of(weight))  # what `Cut.keep_only` leaves on this rank
+    lend_ghost_parameters(model, [(model.embed, "weight")], blocks=list(model.blocks))
+    blocks = list(model.blocks)
+    model.blocks = nn.ModuleList([nn.Identity(), nn.Identity()])  # the runners, while the step runs
+    with ghost_parameters(model):
+        assert next(model.parameters()) is model.embed.weight and next(model.blocks[0].parameters(), None) is None
+    model.blocks = nn.ModuleList(blocks)
+    assert [p for p in model.parameters()] == [p for b in blocks for p in b.parameters()]  # outside the step
+
+
+def test_sequence_first_hidden_states_hold_the_rows_in_their_second_dimension():
+    """[Note: sequence-first hidden states]: FSMT's and XLNet's blocks take ``[length, batch, width]``; the batch's
+    token ids are ``[batch, length]``. Evaluation merges the microbatches' outputs along the rows' dimension."""
+    from lightning_pipe._model.calls import rows_dim
+    from lightning_pipe._step.pipeline import _merged
+
+    batch = {"input_ids": torch.zeros(8, 28, dtype=torch.long), "labels": torch.zeros(8, 14, dtype=torch.long)}
+    assert rows_dim((28, 8, 32), batch) == 1 and rows_dim((8, 28, 32), batch) == 0
+    assert rows_dim((8, 8, 32), batch) == 0  # as many positions as rows: batch first, as before
+    parts = [torch.full((5, 2, 3), float(i)) for i in range(4)]
+    merged = _merged(torch.cat(parts), (5, 2, 3), rows=2, num_microbatches=4, rows_dim=1)  # as torch merges
+    assert torch.equal(merged, torch.cat(parts, dim=1))
+    assert torch.equal(_merged(torch.cat(parts), (5, 2, 3), rows=5, num_microbatches=4, rows_dim=0), torch.cat(parts))
+
+
+def test_a_microbatch_writes_its_own_copy_of_the_batch_rows():
+    """FSMT fills its labels' -100 in place: a microbatch's write must not bump the version of the tensors another
+    microbatch's loss saved (a view shares the whole batch's counter)."""
+    from lightning_pipe._model.calls import slice_batch
+
+    labels = torch.full((4, 3), -100)
+    first, second = slice_batch(labels, 4, 0, 2), slice_batch(labels, 4, 2, 4)
+    version = first._version
+    second.masked_fill_(second == -100, 0)
+    assert first._version == version and labels.eq(-100).all()
+
+
+def test_a_later_call_whose_step_reads_a_parameter_where_the_cut_did_not_put_it_is_refused():
+    """The cut is kept across Trainer calls; XLNet's ``generate()`` reads ``mask_emb`` before the first block, which
+    its training step never reads: the stage running that code would read a ghost, so setup refuses, naming it."""
+    from lightning_pipe import BackboneCallError
+    from lightning_pipe._model.split import _refuse_reads_elsewhere
+
+    model = Net()
+    cut = cut_of(model)
+    _refuse_reads_elsewhere(model, cut, lambda: (model.training_step, (batch(), 0)), CPU, fitting=True)
+
+    def reads_the_head_first(data: Any, batch_idx: int) -> torch.Tensor:
+        x, y = data
+        h = model.before(x) * model.head.bias.mean()
+        for block in model.blocks:
+            h = block(h)
+        return F.cross_entropy(model.after(h).flatten(0, 1), y.flatten())
+
+    with pytest.raises(BackboneCallError, match=r"`head.bias` before block 0, which stage 0 runs"):
+        _refuse_reads_elsewhere(model, cut, lambda: (reads_the_head_first, (batch(), 0)), CPU, fitting=True)
+
+
+def test_a_run_on_ghosts_leaves_no_ghost_in_plain_attributes():
+    """RecurrentGemma keeps its states in plain attributes; the setup's analysis runs the step on ghosts, and a real
+    decoding step after it must not continue from them. The ghosts a cut leaves for another stage's parameters stay."""
+    from lightning_pipe._ghost import ghost_of
+    from lightning_pipe._model.untouched import no_ghosts_left
+
+    model = nn.Sequential(nn.Linear(2, 2))
+    model[0].state, model[0].kept = None, ghost_of(torch.zeros(3))
+    kept = model[0].kept
+    with no_ghosts_left(model):
+        model[0].state, model[0].made = ghost_of(torch.zeros(2)), ghost_of(torch.zeros(1))
+    assert model[0].state is None and not hasattr(model[0], "made") and model[0].kept is kept
+
+
 def test_ghosts_of_moe_experts_multiply_in_fp32():
     """Hugging Face's MoE experts call ``torch._grouped_mm`` in fp32 on CPU; torch's meta kernel refuses what is not
     bf16, so a ghost of it has the CPU kernel's shape and dtype (GlmMoeDsa, HYV4: the blocks run on ghosts)."""
@@ -281,6 +362,21 @@ def test_ghosts_of_moe_experts_multiply_in_fp32():
     assert isinstance(out, Ghost) and out.shape == real.shape and out.dtype == real.dtype == torch.float32
     half = F.grouped_mm(ghost_of(a.bfloat16()), w.bfloat16(), offs=offs)
     assert isinstance(half, Ghost) and half.dtype == torch.bfloat16 and half.shape == real.shape
+
+
+def test_ghosts_indexed_by_a_mask_of_the_batch_take_its_shape():
+    """``logits[..., :-1, :][mask[:, 1:] != 0]`` (the loss of Granite Speech, Qwen2-Audio): torch's meta kernel needs
+    the mask's values, which the batch has; a mask that is a ghost has none, which reads a value."""
+    from lightning_pipe._ghost import GhostValueError, ghost_of
+
+    logits, mask = torch.randn(2, 5, 7), torch.tensor([[1, 1, 0, 0, 1], [0, 1, 1, 1, 1]])
+    out = ghost_of(logits)[..., :-1, :][mask[:, 1:] != 0]
+    assert isinstance(out, Ghost) and out.shape == logits[..., :-1, :][mask[:, 1:] != 0].shape
+    written = ghost_of(logits)
+    written[mask != 0] = 0.0
+    assert isinstance(written, Ghost) and written.shape == logits.shape
+    with pytest.raises(GhostValueError, match="boolean mask"):
+        ghost_of(logits)[ghost_of(mask) != 0]
 
 
 # ------------------------------------------------------------------------------------------------ one process group

@@ -211,6 +211,8 @@ class BlockRunners:
         self.structure = structure
         self.device = device
         self.current: Optional[BlockCalls] = None
+        #: the hidden state's dimension of rows, learned by :meth:`batch_size_of` ([Note: sequence-first hidden states])
+        self.rows_dim = 0
         self._runners = [Runner(self, i, backbone.module(i)) for i in range(len(backbone))]
         self._blocks = [backbone.module(i) for i in range(len(backbone))]
         # key -> (owner, name, kind, real, ghost) of the held tensors read before the window
@@ -235,8 +237,10 @@ class BlockRunners:
         ]
 
     def batch_size_of(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> int:
-        """The batch size of a step's call: the first dimension of the first block's hidden state."""
-        return self.hidden_shape_of(step, *args, **kwargs)[0]
+        """The batch size of a step's call: the rows of the first block's hidden state (see :func:`rows_dim`)."""
+        shape = self.hidden_shape_of(step, *args, **kwargs)
+        self.rows_dim = rows_dim(shape, args[:1])
+        return shape[self.rows_dim]
 
     def hidden_shape_of(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[int, ...]:
         """The shape of the first block's hidden state in a step's call (found on ghosts)."""
@@ -408,10 +412,31 @@ def replace_hidden(args: tuple, kwargs: dict, at: HiddenAt, value: Any) -> tuple
     return args, {**kwargs, key: value}
 
 
+def rows_dim(hidden: tuple[int, ...], batch: Any) -> int:
+    """The dimension of a hidden state of shape ``hidden`` that holds the rows of ``batch``.
+
+    [Note: sequence-first hidden states] Most backbones take the hidden state batch first (``[batch, length,
+    width]``); FSMT's and XLNet's take it sequence first (``[length, batch, width]``). The pipeline cuts the batch into
+    microbatches by rows, so it needs the rows' count: the first dimension, unless no tensor of the batch has that
+    many rows and the second (of three or more) is the first dimension of one (the ``[batch, length]`` token ids).
+    A microbatch's hidden state then holds its rows in its second dimension; its stage runs compute from the
+    microbatch's rows of the batch, so only what merges the microbatches' outputs again (the last stage's output in
+    evaluation) reads this."""
+    firsts = {leaf.shape[0] for leaf in tree_leaves(batch) if isinstance(leaf, Tensor) and leaf.dim() > 0}
+    if hidden[0] in firsts or len(hidden) < 3 or hidden[1] not in firsts:
+        return 0
+    return 1
+
+
 def slice_batch(batch: Any, batch_size: int, start: int, stop: int) -> Any:
-    """Rows ``start:stop`` of every tensor or sequence in ``batch`` whose first dimension is ``batch_size``."""
+    """Rows ``start:stop`` of every tensor or sequence in ``batch`` whose first dimension is ``batch_size``.
+
+    A tensor's rows are a copy, not a view: models write into their inputs in place (FSMT's ``shift_tokens_right``
+    fills the labels' ``-100`` with the pad id), and a view shares the whole batch's version counter, so one
+    microbatch's write would fail the backward of another's that saved its rows (the loss's targets), or reach a
+    later stage's run of the same rows on this rank."""
     if isinstance(batch, Tensor):
-        return batch[start:stop] if batch.dim() > 0 and batch.shape[0] == batch_size else batch
+        return batch[start:stop].clone() if batch.dim() > 0 and batch.shape[0] == batch_size else batch
     if isinstance(batch, dict):
         return type(batch)((k, slice_batch(v, batch_size, start, stop)) for k, v in batch.items())
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple

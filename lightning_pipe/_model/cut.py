@@ -257,8 +257,8 @@ class Cut:
         whole = self._module()
         if whole is not None:  # [Note: emptied models]
             self._emptied = lend_ghost_dtype(whole)
-            lend_ghost_parameters(whole, [(r.owner, r.name) for r in self.registrations
-                                          if r.kind == "parameter" and id(r) not in held_regs])
+            ghosts = [(r.owner, r.name) for r in self.registrations if r.kind == "parameter" and id(r) not in held_regs]
+            lend_ghost_parameters(whole, ghosts, blocks=[self.backbone.module(i) for i in range(len(self.backbone))])
         self.split = True
         log.debug("pipeline rank %d keeps %d of %d tensors", rank, len(held), len(self.registrations))
 

@@ -20,7 +20,9 @@ Models also read a submodule's parameters directly, in code that runs before the
 While a step runs (:func:`ghost_parameters`, entered by every run of the step), each module that holds no parameter
 on this rank but stands for some answers ``parameters()`` and ``named_parameters()`` with their ghosts, as the rank
 that holds them answers with the parameters: an instance attribute for the run only, so outside the step (the
-optimizer, callbacks, clipping, checkpoints) a module still has exactly the parameters this rank holds.
+optimizer, callbacks, clipping, checkpoints) a module still has exactly the parameters this rank holds. The
+backbone's blocks do not count: runners stand in for them while the step runs, so the last stage's GPT-1 model,
+which holds blocks but not the embeddings, has no parameter then (``next(self.parameters())`` in its forward).
 """
 
 from __future__ import annotations
@@ -115,17 +117,28 @@ _step_stand_ins: weakref.WeakKeyDictionary[nn.Module, list[tuple[nn.Module, dict
 )
 
 
-def lend_ghost_parameters(module: nn.Module, ghost_parameters: Sequence[tuple[nn.Module, str]]) -> None:
-    """Note, for :func:`ghost_parameters`, the modules of ``module`` (cut) that hold no parameter on this rank and stand
-    for some: ``ghost_parameters`` are the ``(owner, name)`` of the parameters that became ghost attributes."""
+def lend_ghost_parameters(
+    module: nn.Module, ghost_parameters: Sequence[tuple[nn.Module, str]], blocks: Sequence[nn.Module] = ()
+) -> None:
+    """Note, for :func:`ghost_parameters`, the modules of ``module`` (cut) that hold no parameter on this rank while
+    its step runs and stand for some: ``ghost_parameters`` are the ``(owner, name)`` of the parameters that became
+    ghost attributes; ``blocks``, the backbone's blocks, which runners stand in for while the step runs.
+
+    A model whose blocks this rank holds but whose parameters outside them live on another stage (the last stage of
+    GPT-1 and ProphetNet, whose embeddings are the first stage's) has no parameter while the step runs either: its
+    blocks are not registered under it then. Its ``next(self.parameters())`` must find the ghosts."""
     names: dict[int, list[str]] = {}
     for owner, name in ghost_parameters:
         names.setdefault(id(owner), []).append(name)
+    in_blocks = {id(m) for block in blocks for m in block.modules()}
+    block_params = {id(p) for block in blocks for p in block.parameters()}
     emptied = []
     for sub in module.modules():
-        if not any(id(m) in names for m in sub.modules()) or any(True for _ in sub.parameters()):
+        inside = id(sub) in in_blocks  # a block's own modules keep their parameters while it runs
+        stands = {id(m): names[id(m)] for m in sub.modules() if id(m) in names and (inside or id(m) not in in_blocks)}
+        if not stands or any(True for p in sub.parameters() if inside or id(p) not in block_params):
             continue
-        emptied.append((sub, {id(m): names[id(m)] for m in sub.modules() if id(m) in names}))
+        emptied.append((sub, stands))
     _step_stand_ins[module] = emptied
 
 

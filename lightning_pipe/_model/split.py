@@ -103,6 +103,7 @@ def split_module(
                 " LightningModule (or load it from a checkpoint) to run it with a different pipeline layout."
             )
         if not previous.split:  # whole again after the last call: cut it for the same layout
+            _refuse_reads_elsewhere(module, previous, sample, device, fitting=fitting)
             previous.keep_only(rank, device)
         log.debug("pipeline rank %d: reusing the split module: %s", rank, layout.describe())
         return previous
@@ -183,6 +184,41 @@ def _candidates_run(
             log.debug("backbone='auto': `%s`: %s", path, err)
             found[path] = None
     return found
+
+
+def _refuse_reads_elsewhere(
+    module: nn.Module, cut: Cut, sample: Callable[[], tuple[Callable[..., Any], tuple]], device: torch.device,
+    fitting: bool,
+) -> None:
+    """A later Trainer call keeps the module's cut, made for the first call's step. Its step may read, outside the
+    blocks, a parameter that step never read there (``generate()`` of XLNet reads ``mask_emb`` before the first
+    block, which training does not): the stage that runs that code would compute from a ghost. Learned from one ghost
+    run of the step on its first batch, on every rank alike; refused naming the parameter. A step that cannot be
+    analysed here is left to fail as it runs."""
+    try:
+        step, args = sample()
+        structure = analyze(module, cut.backbone, step, args, device, training=fitting)
+    except Exception as err:  # noqa: BLE001 - the step's own run reports it, as before
+        log.debug("the step of this Trainer call could not be analysed against the kept cut: %s", err)
+        return
+    names = {id(p): name for name, p in module.named_parameters()}
+    held: dict[int, frozenset[int]] = {}
+    for reg in cut.registrations:  # a tied tensor: the stages of each of its registrations
+        held[id(reg.tensor)] = held.get(id(reg.tensor), frozenset()) | reg.stages
+    for pid, regions in structure.region_params.items():
+        # only the code before and between the blocks: after the backbone, a step that generates runs its next
+        # model call's code before the backbone, which the kept cut places by that step's first call
+        for region in sorted(r for r in regions if r < len(cut.backbone)):
+            stage = cut.region_stage(region)
+            if pid in held and stage not in held[pid]:
+                where = f"before block {region}"
+                raise BackboneCallError(
+                    f"`{getattr(step, '__name__', step)}` reads the parameter `{names.get(pid, '?')}` {where}, which"
+                    f" stage {stage} runs, but the module was cut for the first Trainer call's step, which does not"
+                    f" read it there: it lives on stage(s) {sorted(held[pid])}. `PipelineStrategy` keeps a module's"
+                    " cut across Trainer calls. Run this call with a LightningModule that was not cut before (load"
+                    " its weights from a checkpoint), or without `PipelineStrategy`."
+                )
 
 
 def previous_cut(module: nn.Module) -> Optional[Cut]:

@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_flatten, tree_leaves
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from lightning_pipe import _ghost
 from lightning_pipe._compat.transformers import install_output_capturing
@@ -50,6 +50,7 @@ from lightning_pipe._model.calls import (
 )
 from lightning_pipe._model.flow import Producer, Unsendable, block_position, region_position
 from lightning_pipe._model.inner import record_call
+from lightning_pipe._model.untouched import no_ghosts_left
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +128,7 @@ class _Analysis(BlockCalls):
         self.producers: dict[int, tuple[Producer, int]] = {}  # id(ghost) -> (producer, position)
         self.derived: dict[int, tuple[int, list[int], list[int], str]] = {}  # id -> (position, inputs, params, op)
         self.uses: dict[int, set[int]] = {}  # id(ghost) -> positions that use it
+        self.ran: set[int] = set()  # the blocks that ran on ghosts
 
     def _keep(self, ghost: Tensor) -> int:
         self.kept[id(ghost)] = ghost
@@ -237,10 +239,13 @@ class _Analysis(BlockCalls):
         try:
             out = block(*args, **kwargs)
         except (GhostValueError, RuntimeError, NotImplementedError, TypeError) as err:
-            # The block cannot run on ghosts (e.g. data-dependent routing): assume it returns its hidden state's
-            # kind and shape, and check what it really returns when it first runs.
-            log.debug("block %d does not run on ghosts (%s); assuming it returns a tensor", index, err)
-            out = ghost_of(hidden, self.device)
+            # The block cannot run on ghosts (e.g. data-dependent routing): assume it returns what an earlier block
+            # of its class returned, or its hidden state's kind and shape, and check what it really returns when it
+            # first runs.
+            log.debug("block %d does not run on ghosts (%s); assuming its output", index, err)
+            out = self._assumed_output(index, args, kwargs, hidden)
+        else:
+            self.ran.add(index)
         finally:
             self.in_block = False
         self.structure.outputs[index] = _output_kind(backbone.blocks[index].name, out)
@@ -261,6 +266,33 @@ class _Analysis(BlockCalls):
         )
         self.chain = self.program.hidden_of(index, out)
         return out
+
+    def _assumed_output(self, index: int, args: tuple, kwargs: dict, hidden: Tensor) -> Any:
+        """What block ``index``, which cannot run on ghosts, is taken to return: what the nearest earlier block of its
+        class that ran returned, with this call's hidden state's shape and this call's arguments where that block
+        passed its own through (Switch Transformers' sparse blocks, whose expert routing reads values, return
+        ``(hidden, position bias, cross-attention bias)`` as the dense blocks between them do); with none, a tensor
+        of the hidden state's shape."""
+        backbone = self.program.backbone
+        kind = type(backbone.module(index))
+        same = [j for j in range(index) if j in self.ran and type(backbone.module(j)) is kind]
+        earlier = same[-1] if same else None
+        if earlier is None or self.structure.outputs[earlier] is None:
+            return ghost_of(hidden, self.device)
+        io = self.structure.block_io[earlier]
+        at = self.structure.outputs[earlier][1]
+        given = tree_leaves((args, kwargs))
+        leaves = []
+        for i, leaf in enumerate(io.out_leaves):
+            if i == at:
+                leaves.append(ghost_of(hidden, self.device))
+            elif i in io.passed and io.passed[i] < len(given):
+                leaves.append(given[io.passed[i]])
+            elif isinstance(leaf, Tensor):
+                leaves.append(Ghost(torch.empty(leaf.shape, dtype=leaf.dtype, device="meta"), self.device))
+            else:
+                leaves.append(leaf)
+        return tree_unflatten(leaves, io.out_spec)
 
     # --------------------------------------------------------------------------------------------- the result
     def resolve(self) -> Structure:
@@ -372,24 +404,26 @@ def everything_ghosted(
     computes in when it is not its own (``{id: dtype}``: a sharded parameter all-gathered in bf16)."""
     ghosts: dict[int, Ghost] = {}
     swaps: list[tuple[dict, str, Tensor]] = []
-    try:
-        for path, sub in module.named_modules(remove_duplicate=False):
-            owned = sub._parameters
-            meta_buffers = any(v is not None and v.is_meta for v in sub._buffers.values())  # built on meta: no values
-            tables = [owned] + ([sub._buffers] if meta_buffers or any(v is not None for v in owned.values()) else [])
-            for table in tables:
-                for name, value in list(table.items()):
-                    if value is None or isinstance(value, Ghost):
-                        continue
-                    ghost = ghosts.get(id(value))
-                    if ghost is None:
-                        origin = f"{path}.{name}".lstrip(".")
-                        dtype = (dtypes or {}).get(id(value))
-                        source = value if dtype is None else torch.empty(value.shape, dtype=dtype, device="meta")
-                        ghost = ghosts[id(value)] = ghost_of(source, device, origin)
-                    swaps.append((table, name, value))
-                    table[name] = ghost
-        yield ghosts
-    finally:
-        for table, name, value in reversed(swaps):
-            table[name] = value
+    with no_ghosts_left(module):  # what the run keeps in plain attributes (RecurrentGemma's states)
+        try:
+            for path, sub in module.named_modules(remove_duplicate=False):
+                owned = sub._parameters
+                meta_buffers = any(v is not None and v.is_meta for v in sub._buffers.values())  # on meta: no values
+                with_buffers = meta_buffers or any(v is not None for v in owned.values())
+                tables = [owned] + ([sub._buffers] if with_buffers else [])
+                for table in tables:
+                    for name, value in list(table.items()):
+                        if value is None or isinstance(value, Ghost):
+                            continue
+                        ghost = ghosts.get(id(value))
+                        if ghost is None:
+                            origin = f"{path}.{name}".lstrip(".")
+                            dtype = (dtypes or {}).get(id(value))
+                            source = value if dtype is None else torch.empty(value.shape, dtype=dtype, device="meta")
+                            ghost = ghosts[id(value)] = ghost_of(source, device, origin)
+                        swaps.append((table, name, value))
+                        table[name] = ghost
+            yield ghosts
+        finally:
+            for table, name, value in reversed(swaps):
+                table[name] = value

@@ -38,6 +38,7 @@ from torch import Tensor, nn
 
 from lightning_pipe._errors import BackboneCallError
 from lightning_pipe._ghost import Ghost, ghost_of
+from lightning_pipe._step.attribute_states import AttributeStates
 
 #: The layer kinds of Hugging Face's caches that split by rows (a layer of a subclass of one of them too, unless it is
 #: also one of :data:`_NOT_SPLITTABLE`): tensors per row (keys and values ``[batch, heads, length, dim]``, conv and
@@ -137,7 +138,10 @@ class PassCaches:
             if not _holds(layers[0]):
                 continue
             for name, key, dim in _row_slots(layers[0]):
-                whole = torch.cat([_slot(layer, name, key) for layer in layers], dim=dim)
+                parts = [_slot(layer, name, key) for layer in layers]
+                if all(_placeholder(part, dim) for part in parts):  # nothing held yet (the layer's own reorder skips)
+                    continue
+                whole = torch.cat(parts, dim=dim)
                 whole = whole.index_select(dim, beam_idx.to(whole.device))
                 for layer, part in zip(layers, whole.split(sizes, dim=dim)):
                     _set_slot(layer, name, key, part)
@@ -186,6 +190,8 @@ class BlockStates:
         self.local, self.others = local, others
         self.known = {id(b): weakref.ref(b) for b in known}  # by id, checked alive: an id may be reused
         self._cut: list[tuple[dict, str, Tensor]] = []
+        #: plain attributes (RecurrentGemma's): [Note: attribute states per microbatch]
+        self.attributes = AttributeStates([m for block in local for m in block.modules()])
 
     def begin(self, batch_size: int) -> None:
         self._cut = [
@@ -195,14 +201,20 @@ class BlockStates:
         ]
         for table, name, value in _new_buffers(self.others, self.known):
             table[name] = ghost_of(value)  # another stage's layer: its state is that stage's
+        self.attributes.begin(batch_size)
 
-    def rows(self, start: int, stop: int) -> None:
-        for table, name, value in self._cut:
-            table[name] = value[start:stop]
+    def rows(self, start: int, stop: int, probing: Optional[str] = None) -> None:
+        """Before a stage run of the rows ``start:stop`` (``probing``: a shape probe, which runs on ghosts or restores
+        what it touched: the buffers stay whole)."""
+        if not probing:
+            for table, name, value in self._cut:
+                table[name] = value[start:stop]
+        self.attributes.rows(start, stop, probing)
 
     def end(self) -> None:
         for table, name, value in self._cut:
             table[name] = value
+        self.attributes.end()
 
 
 def _new_buffers(blocks: list[nn.Module], known: dict[int, Any]) -> list[tuple[dict, str, Tensor]]:
@@ -293,6 +305,12 @@ def _set_slot(layer: Any, name: str, key: Any, value: Tensor) -> None:
         getattr(layer, name)[key] = value
 
 
+def _placeholder(value: Tensor, dim: int) -> bool:
+    """An empty tensor that holds no rows yet (Hugging Face's layers start with ``torch.tensor([])``; Unlimited OCR's
+    sliding-window keys stay so while the prompt is in its prefill entries)."""
+    return value.numel() == 0 and value.dim() <= dim + 1
+
+
 def _filled(cache: Any) -> bool:
     return any(
         isinstance(_slot(layer, name, key), Ghost) or _slot(layer, name, key).numel() > 0
@@ -320,7 +338,7 @@ def _ghost_layer(layer: Any, rows: Optional[int] = None) -> Any:
     for name, key, dim in _row_slots(layer):
         value = _slot(layer, name, key)
         shape = list(value.shape)
-        if rows is not None and (value.numel() > 0 or value.dim() > dim + 1):  # not an empty placeholder
+        if rows is not None and not _placeholder(value, dim):
             shape[dim] = rows
         _set_slot(twin, name, key, Ghost(torch.empty(shape, dtype=value.dtype, device="meta"), value.device))
     return twin

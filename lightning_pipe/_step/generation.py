@@ -45,12 +45,17 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 from lightning_pipe import _watchdog
 from lightning_pipe._errors import BackboneCallError
 from lightning_pipe._ghost import Ghost, GhostValueError, contains_ghost
-from lightning_pipe._model.calls import slice_batch
+from lightning_pipe._model.calls import rows_dim, slice_batch
 from lightning_pipe._step.caches import BlockStates, PassCaches, is_cache
 
 #: Keyword arguments of a pass that are never split by rows, even when their length equals the batch size (a prompt
 #: of as many tokens as there are prompts): Hugging Face's and litgpt's positions of the new tokens.
 _NOT_BATCHED = frozenset({"cache_position", "input_pos", "input_pos_maxp1"})
+#: Keyword arguments of a pass whose rows are not their first dimension, by name: (their number of dimensions, the
+#: rows' dimension). Multimodal rotary positions (Qwen2-VL, Qwen3-VL, Qwen3.5 and their kin) are ``position_ids`` of
+#: ``[3 or 4, batch, length]``, which ``generate()`` passes to every call; a microbatch given all the batch's rows of
+#: them would meet its own rows' queries with the whole batch's angles.
+_ROWS_DIM = {"position_ids": (3, 1)}
 _PRIMITIVE = (type(None), bool, int, float, str)
 
 
@@ -127,9 +132,11 @@ class LockStep:
         program = self.runtime.program
         rows = batch_size // num_microbatches
         whole = program.hidden_shape_of(step, *args, **kwargs)
+        expected = list(whole)
+        expected[rows_dim(whole, args[:1])] = rows  # [Note: sequence-first hidden states]
         for start in range(0, batch_size, rows):
             part = slice_batch(args[0], batch_size, start, start + rows)
-            if program.hidden_shape_of(step, part, *args[1:], **kwargs) != (rows, *whole[1:]):
+            if program.hidden_shape_of(step, part, *args[1:], **kwargs) != tuple(expected):
                 return False
         self._rows_checked.add(_name(step))
         return True
@@ -226,6 +233,7 @@ class LockStep:
         program, pipeline = runtime.program, runtime.pipeline
         call = functools.partial(_call, module)
         _check_caches(args, kwargs)
+        _check_no_ghosts(module, args, kwargs)
         batch_size = program.batch_size_of(call, (args, kwargs))
         num_microbatches = runtime.microbatches.for_batch(batch_size)
         self.caches.begin_pass()
@@ -234,7 +242,7 @@ class LockStep:
         try:
             with program.holding(call, inputs, batch_size):
                 sample = program.sub_batch(torch.arange(batch_size // num_microbatches))
-                output = pipeline.eval_step(sample, batch_size, num_microbatches)
+                output = pipeline.eval_step(sample, batch_size, num_microbatches, rows_dim=program.rows_dim)
         finally:
             self.states.end()
         answer: Any = None
@@ -331,12 +339,21 @@ class _PassInputs:
                 return self.caches.for_rows(value, start, stop, probing)
             if name in _NOT_BATCHED:
                 return value
+            if _rows_not_first(name, value, self.batch_size):
+                return value.narrow(_ROWS_DIM[name][1], start, stop - start)
             return slice_batch(value, self.batch_size, start, stop)
 
-        if not probing:  # a probe runs on ghosts (or restores what it touched): the blocks' state stays whole
-            self.states.rows(start, stop)
+        self.states.rows(start, stop, probing)
         args = tuple(cut(a, name) for a, name in zip(self.args, self.names))
         return args, {k: cut(v, k) for k, v in self.kwargs.items()}
+
+
+def _rows_not_first(name: Any, value: Any, batch_size: int) -> bool:
+    """Whether ``value``, passed as ``name``, holds the batch's rows in a dimension other than its first."""
+    if name not in _ROWS_DIM or not isinstance(value, Tensor):
+        return False
+    dims, dim = _ROWS_DIM[name]
+    return value.dim() == dims and value.shape[dim] == batch_size
 
 
 def _positional_names(module: nn.Module, count: int) -> list[Optional[str]]:
@@ -371,6 +388,23 @@ def _check_caches(args: tuple, kwargs: dict) -> None:
                     " `PipelineStrategy` splits a cache passed as an argument of the model call itself (as"
                     " `generate()` passes `past_key_values`): pass it as its own argument."
                 )
+
+
+def _check_no_ghosts(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    """A pass given back a value an earlier pass returned that no rank holds whole (each stage computed its own
+    layers' part: XLNet's ``mems``, a per-layer memory ``generate()`` passes back as a cache) would run on it: refused,
+    on every rank alike (each got the same answer), before anything is sent."""
+    names = _positional_names(module, len(args))
+    for name, value in [*zip(names, args), *kwargs.items()]:
+        if is_cache(value) or not contains_ghost(value):
+            continue
+        raise BackboneCallError(
+            f"A generation pass got `{name or 'a positional argument'}` back from an earlier pass, which the pipeline"
+            " stages compute in parts (each stage its own layers'), so no rank holds it whole. Under `PipelineStrategy`"
+            " a decoding loop may carry the model's tokens, logits and a `Cache` object (`DynamicCache`, which each"
+            " stage fills for its own layers) from one call to the next. Generate without this value (XLNet:"
+            " `use_mems=False`), or without `PipelineStrategy`."
+        )
 
 
 def _describe(answer: Any, input_leaves: list[Any]) -> tuple[tuple[Any, list[tuple]], list[Tensor]]:

@@ -233,8 +233,11 @@ class StagePipeline:
         finally:
             self._loss_fn = None
 
-    def eval_step(self, sample: Any, batch_size: int, num_microbatches: int) -> Optional[torch.Tensor]:
-        """Forward-only pass of one batch. Returns the merged last-stage output on the last stage, else ``None``."""
+    def eval_step(
+        self, sample: Any, batch_size: int, num_microbatches: int, rows_dim: int = 0
+    ) -> Optional[torch.Tensor]:
+        """Forward-only pass of one batch. Returns the merged last-stage output on the last stage, else ``None``.
+        ``rows_dim``: the hidden state's dimension of rows ([Note: sequence-first hidden states])."""
         key = self._key_for(sample, batch_size, num_microbatches, training=False)
         schedule = self._schedule_for(key)
         rows = torch.arange(batch_size, device=self.device)
@@ -242,13 +245,13 @@ class StagePipeline:
             output = schedule.eval(*self._first_input(rows), lp_rows=rows)
         if not self.has_last_stage:
             return None
-        if isinstance(output, tuple):  # torch concatenates along dimension 0: a value without a batch dimension
-            metas = self._metas[shape_of(key)][self.layout.num_stages - 1][1]
-            output = tuple(
-                out if shape[:1] == (batch_size // num_microbatches,) else out[: shape[0]]
-                for out, (shape, _) in zip(output, metas)
-            )
-        return output
+        metas = self._metas[shape_of(key)][self.layout.num_stages - 1][1]
+        rows = batch_size // num_microbatches
+        outputs = tuple(
+            _merged(out, shape, rows, num_microbatches, rows_dim)
+            for out, (shape, _) in zip(output if isinstance(output, tuple) else (output,), metas)
+        )
+        return outputs if isinstance(output, tuple) else outputs[0]
 
     @contextmanager
     def _dropped_if_it_fails(self, schedule: Any) -> Iterator[None]:
@@ -500,3 +503,12 @@ def _meta_tensor(meta: Meta, requires_grad: bool) -> torch.Tensor:
 
 def _nbytes(metas: Metas) -> int:
     return sum(math.prod(shape) * dtype.itemsize for shape, dtype in metas)
+
+
+def _merged(out: torch.Tensor, shape: tuple, rows: int, num_microbatches: int, rows_dim: int) -> torch.Tensor:
+    """One output of the last stage for the whole batch, from torch's merge, which concatenates the microbatches'
+    outputs (of ``shape``) along dimension 0: a value without a batch dimension is the first microbatch's; one with
+    the rows in its second dimension (a sequence-first hidden state) is concatenated along that one instead."""
+    if rows_dim and len(shape) > rows_dim and shape[rows_dim] == rows:
+        return torch.cat(out.chunk(num_microbatches, dim=0), dim=rows_dim)
+    return out if shape[:1] == (rows,) else out[: shape[0]]

@@ -318,7 +318,7 @@ class PipelineRuntime:
         with self._unsharded():  # the last stage's own code runs the modules after the backbone too
             with program.holding(step, batch, batch_size, *rest, **kwargs):
                 sample = program.sub_batch(torch.arange(batch_size // num_microbatches))
-                output = pipeline.eval_step(sample, batch_size, num_microbatches)
+                output = pipeline.eval_step(sample, batch_size, num_microbatches, rows_dim=program.rows_dim)
             if pipeline.has_last_stage:
                 recorder = LogRecorder()
                 recorder.start(batch_size)
