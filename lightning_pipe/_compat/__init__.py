@@ -255,6 +255,7 @@ PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     ("torch", "Tensor._make_wrapper_subclass"),  # _ghost.py
     ("torch._C", "_disabled_torch_function_impl"),  # _ghost.py
     ("torch", "ops.aten._local_scalar_dense.default"),  # _ghost.py
+    ("torch", "ops.aten._index_put_impl_"),  # _ghost.py: boolean-mask indexing of a ghost
     ("torch", "_foreach_mul_"),  # _step/gradients.py
     # _model/cut.py, _model/materialize.py, _model/structure.py, _lightning/callbacks.py
     ("torch.nn", "Module._parameters"),

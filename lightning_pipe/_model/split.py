@@ -198,7 +198,7 @@ def _refuse_reads_elsewhere(
     try:
         step, args = sample()
         structure = analyze(module, cut.backbone, step, args, device, training=fitting)
-    except Exception as err:  # noqa: BLE001 - the step's own run reports it, as before
+    except Exception as err:
         log.debug("the step of this Trainer call could not be analysed against the kept cut: %s", err)
         return
     names = {id(p): name for name, p in module.named_parameters()}
