@@ -21,6 +21,30 @@ runs on every rank of the pipeline at once, as a whole, on the real batch:
   :mod:`lightning_pipe._step.caches`); ``get_seq_length`` answers the same on every stage.
 - **Logs and metrics** are computed on every rank from the same values, so every rank logs what one device logs.
 
+[Note: partial passes] An encoder-decoder's ``generate()`` calls the encoder on its own once (``get_encoder()(...)``),
+then the whole model per token with the encoder's output given (``encoder_outputs=``), which runs the decoder's
+blocks only. A model call that runs some of the backbone's containers is a pass too, over every stage:
+
+- **Which blocks.** The call runs on ghosts up to its first block (:meth:`StepProgram.first_call_of`), which must
+  start a container; the first time a (module, first block) is met, a *census* runs it on ghosts with every block
+  skipped (:meth:`StepProgram.census`): the blocks it calls (whole containers, in order) and the outputs of the
+  modules that produce the values the stages carry ([Note: stage boundaries]). A module's calls count from the
+  first block's region (T5's shared embedding is the decoder's second call in training and its first here).
+- **What crosses.** The training flow, restricted to what the call produces, as far as its uses within the call
+  (:func:`~lightning_pipe._model.flow.make_pass_flow`): the encoder's output, an input of the decoder's calls on
+  every rank, crosses nothing. The code after the call's last block runs on the *answer stage*, the stage that holds
+  that code's parameters: the stage where the next container starts (the encoder's final norm), or the last.
+- **The other stages.** A stage with none of the call's blocks, before them or after the answer stage, passes on what
+  it received (the row numbers when nothing: torch's schedule sends every stage's output). The answer stage keeps
+  its microbatches' outputs when it is not the last, and answers from them after the schedule; its answer goes to
+  every rank from there (:meth:`LockStep._share`). Each kind of call has a schedule of its own (its stages send other
+  shapes).
+- **The caches.** An ``EncoderDecoderCache`` splits as two caches (self- and cross-attention), each microbatch with
+  its own ``is_updated`` flags; the cache's layer 0 is the decoder's first block ([Note: caches per microbatch]).
+- **An encoder outside the backbone** (Florence2 pipelines only its decoder's layers; the encoder runs before them
+  on the first stage): a call of what the model's ``get_encoder()`` returns runs on the stage that holds it, and its
+  output goes to every rank; the decoder's calls then carry no encoder output between stages.
+
 A step is known to generate once its first batch called the backbone a second time: on the last stage that is the
 :class:`~lightning_pipe._model.calls.SecondPass` the single-pass evaluation meets; every rank learns it from the
 last stage, the random state is put back, and the batch runs again in lock step. A step whose first model call's
@@ -33,7 +57,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -46,6 +70,7 @@ from lightning_pipe import _watchdog
 from lightning_pipe._errors import BackboneCallError
 from lightning_pipe._ghost import Ghost, GhostValueError, contains_ghost
 from lightning_pipe._model.calls import slice_batch
+from lightning_pipe._model.flow import Flow, make_pass_flow
 from lightning_pipe._step.caches import BlockStates, PassCaches, is_cache
 
 #: Keyword arguments of a pass that are never split by rows, even when their length equals the batch size (a prompt
@@ -93,10 +118,13 @@ class LockStep:
         self._path_modules = [runtime.module.get_submodule(p) for p in sorted(prefixes, key=len)]
         #: the path modules that hold only some of the backbone's containers (an encoder-decoder's encoder), by id
         self._partial = {
-            id(runtime.module.get_submodule(p)): (p, [c for c in backbone.paths if c.startswith(p + ".")])
+            id(runtime.module.get_submodule(p))
             for p in prefixes
             if p and not all(c.startswith(p + ".") for c in backbone.paths)
         }
+        self._flows: dict[tuple[int, int], Optional[Flow]] = {}  # (id(module), first block) -> its pass's flow
+        self._outside = _outside_encoders(runtime.module, runtime.cut, self._path_modules)  # id -> (path, encoder, its stages)
+        self._outside_called = False  # whether a step called one (the decoder's calls are then given its output)
 
     def _window(self) -> Optional[range]:
         """The blocks the stage run in progress runs (a microbatch's cache gives it their cache layers as they are)."""
@@ -164,6 +192,9 @@ class LockStep:
         for module in self._path_modules:
             saved.append((module, vars(module).get("forward")))
             module.forward = self._intercepting(module, module.forward)  # type: ignore[method-assign]
+        for path, module, stages in self._outside.values():
+            saved.append((module, vars(module).get("forward")))
+            module.forward = self._run_where_held(path, module.forward, stages)  # type: ignore[method-assign]
         guard = self.runtime.cut.backbone.module(0).register_forward_pre_hook(self._outside_a_pass)
         try:
             yield
@@ -191,7 +222,6 @@ class LockStep:
         def intercepted(*args: Any, **kwargs: Any) -> Any:
             if self._in_pass or self.runtime.program.current is not None:
                 return forward(*args, **kwargs)  # inside a pass: the stage's own run
-            self._refuse_partial(module)
             self._in_pass = True
             self.passes += 1
             try:
@@ -201,79 +231,143 @@ class LockStep:
 
         return intercepted
 
-    def _refuse_partial(self, module: nn.Module) -> None:
-        """A call of a module that holds only some of the backbone's containers (``generate()`` of an
-        encoder-decoder model runs the encoder once, then the decoder per token) would run a pass of some stages
-        only: refused, on every rank alike (each runs the same loop), before anything is sent."""
-        partial = self._partial.get(id(module))
-        if partial is None:
-            return
-        path, held = partial
-        others = [c for c in self.runtime.cut.backbone.paths if c not in held]
-        raise BackboneCallError(
-            f"A step that generates called `{path}` on its own, which runs the backbone blocks of"
-            f" {', '.join(f'`{c}`' for c in held)} but not those of {', '.join(f'`{c}`' for c in others)}"
-            " (`generate()` of an encoder-decoder model runs the encoder once, then the decoder per token). Under"
-            " `PipelineStrategy` every model call of a decoding loop runs the whole pipeline, each block once."
-            " Generate with this model without `PipelineStrategy` (its loss, teacher-forced, evaluates under it),"
-            " or decode with a loop that calls the whole model per token (`self.model(input_ids=...,"
-            " attention_mask=..., decoder_input_ids=..., use_cache=False)`)."
-        )
+    def _run_where_held(self, path: str, forward: Callable[..., Any], stages: frozenset[int]) -> Callable[..., Any]:
+        """A call of an encoder outside the backbone (see :func:`_outside_encoders`): run on the first stage that
+        holds all of its parameters, its result sent to every rank of the pipeline."""
+
+        @functools.wraps(forward)
+        def intercepted(*args: Any, **kwargs: Any) -> Any:
+            if self._in_pass or self.runtime.program.current is not None:
+                return forward(*args, **kwargs)
+            if not stages:
+                raise BackboneCallError(
+                    f"A decoding step called `{path}` (the model's encoder, outside the pipelined backbone) on its"
+                    " own, but its parameters are split over several stages. Pipeline its layers too (`backbone=`"
+                    " the encoder's and the decoder's containers, in the order they run)."
+                )
+            self._outside_called = True
+            stage = min(stages)
+            answer: Any = None
+            failed = None
+            if self.runtime.pipeline.pipeline_rank == self.runtime.layout.stage_rank(stage):
+                try:
+                    answer = forward(*args, **kwargs)
+                except Exception as err:  # every rank raises it, instead of waiting for the answer
+                    failed, answer = err, _Failed(f"{type(err).__name__}: {err}")
+            result = self._share(answer, (args, kwargs), stage)
+            if failed is not None:
+                raise failed
+            return result
+
+        return intercepted
 
     def _pass(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
-        """One call of ``module`` through the pipeline; returns the last stage's result on every rank."""
+        """One call of ``module`` through the pipeline; returns the answer stage's result on every rank."""
         runtime = self.runtime
         program, pipeline = runtime.program, runtime.pipeline
         call = functools.partial(_call, module)
         _check_caches(args, kwargs)
-        batch_size = program.batch_size_of(call, (args, kwargs))
+        first, shape = program.first_call_of(call, (args, kwargs))
+        batch_size = shape[0]
         num_microbatches = runtime.microbatches.for_batch(batch_size)
-        self.caches.begin_pass()
-        self.states.begin(batch_size)
         inputs = _PassInputs(module, args, kwargs, batch_size, self.caches, states=self.states)
-        try:
-            with program.holding(call, inputs, batch_size):
-                sample = program.sub_batch(torch.arange(batch_size // num_microbatches))
-                output = pipeline.eval_step(sample, batch_size, num_microbatches)
-        finally:
-            self.states.end()
+        flow = self._flow_of(module, call, first, inputs)
+        blocks = flow.blocks if flow is not None else range(len(runtime.cut.backbone))
+        last = runtime.layout.num_stages - 1
+        answer_stage = last if flow is None else flow.answer_stage % (last + 1)
+        answering = pipeline.pipeline_rank == runtime.layout.stage_rank(answer_stage)
+        self.caches.begin_pass(blocks)
+        self.states.begin(batch_size)
         answer: Any = None
         failed = None
-        if pipeline.has_last_stage:
+        with program.passing(flow) if flow is not None else nullcontext():
             try:
-                answer = program.run_answering(output, call, (args, kwargs))
-            except Exception as err:  # every rank raises it, instead of waiting for the answer
-                failed = err
-                answer = _Failed(f"{type(err).__name__}: {err}")
-        result = self._share(answer, (args, kwargs))
+                with program.holding(call, inputs, batch_size):
+                    sample = program.sub_batch(torch.arange(batch_size // num_microbatches))
+                    output = pipeline.eval_step(sample, batch_size, num_microbatches, blocks=flow and flow.blocks)
+            finally:
+                self.states.end()
+            if answering:
+                try:
+                    if answer_stage != last:
+                        output = program.kept_answers(batch_size)
+                    answer = program.run_answering(output, call, (args, kwargs))
+                except Exception as err:  # every rank raises it, instead of waiting for the answer
+                    failed = err
+                    answer = _Failed(f"{type(err).__name__}: {err}")
+        result = self._share(answer, (args, kwargs), answer_stage)
         if failed is not None:
             raise failed
         self.caches.mirror()
         return result
 
-    def _share(self, answer: Any, inputs: Any) -> Any:
-        """The last stage's ``answer`` on every rank of the pipeline: its tensors broadcast, the objects it passed
-        through from the call's inputs (a cache) taken from this rank's own inputs."""
+    def _flow_of(self, module: nn.Module, call: Callable[..., Any], first: int, inputs: _PassInputs) -> Optional[Flow]:
+        """What the stages carry in a call of ``module`` whose first block is ``first``: ``None`` for a call of the
+        whole backbone, else the flow of the blocks it runs ([Note: partial passes]); learnt at its first call."""
+        backbone = self.runtime.cut.backbone
+        whole = first == 0 and id(module) not in self._partial
+        if whole and not self._outside_called:
+            return None
+        key = (id(module), first)
+        if key not in self._flows:
+            blocks = backbone.blocks
+            if first > 0 and blocks[first].container == blocks[first - 1].container:
+                raise BackboneCallError(
+                    f"A decoding step's model call started at block `{blocks[first].name}`, inside the container"
+                    f" `{backbone.paths[blocks[first].container]}`. Under `PipelineStrategy` a model call runs the"
+                    " backbone from its first block, or from the first block of one of its containers (an"
+                    " encoder-decoder's decoder): call the model the same way in every decoding step."
+                )
+            program = self.runtime.program
+            try:
+                called, produced = program.census(call, first, inputs.lp_rows(0, inputs.batch_size, "ghost"))
+            except Exception:
+                if not whole:
+                    raise
+                called, produced = list(range(len(blocks))), {p[:3] for p in self.runtime.cut.structure.values}
+            stop = called[-1] + 1
+            if stop < len(blocks) and blocks[stop].container == blocks[stop - 1].container:
+                raise BackboneCallError(
+                    f"A decoding step's model call ran the backbone from block `{blocks[first].name}` to"
+                    f" `{blocks[stop - 1].name}` only, inside the container `{backbone.paths[blocks[stop].container]}`."
+                    " Under `PipelineStrategy` a model call runs whole containers of blocks (an encoder-decoder's"
+                    " encoder, then its decoder)."
+                )
+            structure = self.runtime.cut.structure
+            produced |= {("block", j, 0) for j in range(first, stop)}
+            produced |= {p[:3] for p, (position, _) in structure.values.items()
+                         if p[0] == "inner" and first <= (position - 1) // 2 < stop}
+            everything = stop == len(blocks) and all(p[:3] in produced or p in produced for p in structure.values)
+            self._flows[key] = None if whole and everything else make_pass_flow(
+                structure, self.runtime.layout, [b.name for b in blocks], range(first, stop), produced
+            )
+        return self._flows[key]
+
+    def _share(self, answer: Any, inputs: Any, stage: int) -> Any:
+        """The ``answer`` of ``stage`` (the last, or the answer stage of a partial pass) on every rank of the
+        pipeline: its tensors broadcast, the objects it passed through from the call's inputs (a cache) taken from
+        this rank's own inputs."""
         runtime = self.runtime
-        group, src, device = runtime.pipeline.group, runtime.pipeline.last_stage_rank, runtime.device
+        group, src, device = runtime.pipeline.group, runtime.layout.stage_rank(stage), runtime.device
+        mine = runtime.pipeline.pipeline_rank == src
         input_leaves = tree_leaves(inputs)
         header: list[Any] = [None]
         tensors: list[Tensor] = []
-        if runtime.pipeline.has_last_stage:
+        if mine:
             header[0], tensors = _describe(answer, input_leaves)
         if runtime.layout.pipeline_size == 1:
             return None if isinstance(answer, _Failed) else _rebuild(*header[0], tensors, input_leaves, device)
-        what = f"the model's output from the last stage (pipeline rank {src}), in a decoding step"
+        what = f"the model's output from stage {stage} (pipeline rank {src}), in a decoding step"
         with _watchdog.waiting(lambda: what):
             dist.broadcast_object_list(header, group_src=src, group=group)
             spec, kinds = header[0]
-            if isinstance(spec, _Failed):  # the last stage raises its own error, the others this one
-                return None if runtime.pipeline.has_last_stage else _rebuild(spec, kinds, [], input_leaves, device)
+            if isinstance(spec, _Failed):  # the answering stage raises its own error, the others this one
+                return None if mine else _rebuild(spec, kinds, [], input_leaves, device)
             received = []
             for kind in kinds:
                 if kind[0] != "tensor":
                     continue
-                if runtime.pipeline.has_last_stage:
+                if mine:
                     buffer = tensors[len(received)]
                 else:
                     buffer = torch.empty(kind[1], dtype=kind[2], device=device)
@@ -295,6 +389,34 @@ class LockStep:
                 dist.broadcast(moved, group_src=src, group=group)
                 states[i] = moved.cpu()
         set_random_state(states, device)
+
+
+def _outside_encoders(
+    root: nn.Module, cut: Any, path_modules: list[nn.Module]
+) -> dict[int, tuple[str, nn.Module, frozenset[int]]]:
+    """The encoders outside the backbone that ``generate()`` calls on its own: what an encoder-decoder path module's
+    ``get_encoder()`` returns when the backbone holds none of it (Florence2's language encoder runs before the
+    pipelined decoder, on the first stage). ``{id: (path, encoder, the stages that hold all its parameters)}``."""
+    found: dict[int, tuple[str, nn.Module, frozenset[int]]] = {}
+    paths = {id(m) for m in path_modules}
+    names = {id(m): name for name, m in root.named_modules()}
+    blocks = {id(cut.backbone.module(i)) for i in range(len(cut.backbone))}
+    for module in path_modules:
+        if not getattr(getattr(module, "config", None), "is_encoder_decoder", False):
+            continue
+        try:
+            encoder = module.get_encoder()
+        except Exception:
+            continue
+        if not isinstance(encoder, nn.Module) or id(encoder) in paths or id(encoder) in found:
+            continue
+        inside = {id(m) for m in encoder.modules()}
+        if inside & blocks:
+            continue
+        held = [r.stages for r in cut.registrations if r.kind == "parameter" and id(r.owner) in inside]
+        if held:
+            found[id(encoder)] = (names.get(id(encoder), type(encoder).__name__), encoder, frozenset.intersection(*held))
+    return found
 
 
 def random_state_of(device: torch.device) -> list[Tensor]:

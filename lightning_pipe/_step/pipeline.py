@@ -221,9 +221,12 @@ class StagePipeline:
         finally:
             self._loss_fn = None
 
-    def eval_step(self, sample: Any, batch_size: int, num_microbatches: int) -> Optional[torch.Tensor]:
-        """Forward-only pass of one batch. Returns the merged last-stage output on the last stage, else ``None``."""
-        key = self._key_for(sample, batch_size, num_microbatches, training=False)
+    def eval_step(
+        self, sample: Any, batch_size: int, num_microbatches: int, blocks: Optional[range] = None
+    ) -> Optional[torch.Tensor]:
+        """Forward-only pass of one batch. Returns the merged last-stage output on the last stage, else ``None``.
+        ``blocks``: the blocks of a call that runs only some (its stages send other values: a schedule of its own)."""
+        key = self._key_for(sample, batch_size, num_microbatches, training=False, blocks=blocks)
         schedule = self._schedule_for(key)
         rows = torch.arange(batch_size, device=self.device)
         with self._dropped_if_it_fails(schedule), _watchdog.waiting(lambda: self._transfers("evaluation")):
@@ -282,16 +285,19 @@ class StagePipeline:
         return self._loss_fn(output, target)
 
     # ------------------------------------------------------------------ building
-    def _key_for(self, sample: Any, batch_size: int, num_microbatches: int, training: bool) -> tuple:
+    def _key_for(
+        self, sample: Any, batch_size: int, num_microbatches: int, training: bool, blocks: Optional[range] = None
+    ) -> tuple:
         rows = batch_size // num_microbatches
         shapes = tuple((tuple(t.shape), t.dtype) for t in tree_leaves(sample) if isinstance(t, torch.Tensor))
-        return rows, shapes, num_microbatches, training, torch.is_autocast_enabled(self.device.type)
+        calls = None if blocks is None else (blocks.start, blocks.stop)
+        return rows, shapes, num_microbatches, training, torch.is_autocast_enabled(self.device.type), calls
 
     def _schedule_for(self, key: tuple) -> Any:
         """The schedule kept for ``key`` (:meth:`_key_for`), built when it is not."""
         schedule = self._schedules.get(key)
         if schedule is None:
-            rows, _, num_microbatches, training, _ = key
+            rows, _, num_microbatches, training, *_ = key
             schedule = self._build(key, rows, num_microbatches, training)
         return schedule
 
