@@ -76,7 +76,7 @@ class GenerativeLM(zoo.Lit):
             config = T5Config(
                 vocab_size=zoo.VOCAB, d_model=zoo.DIM, d_kv=zoo.DIM // zoo.HEADS, d_ff=2 * zoo.DIM, num_heads=zoo.HEADS,
                 num_layers=layers // 2, num_decoder_layers=layers // 2, dropout_rate=0.0, eos_token_id=EOS,
-                pad_token_id=0, decoder_start_token_id=0, initializer_factor=10 * INIT,
+                pad_token_id=0, decoder_start_token_id=0,
             )
             model: Any = T5ForConditionalGeneration(config)
         elif family == "bart":

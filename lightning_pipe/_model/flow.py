@@ -145,7 +145,7 @@ def make_flow(structure: Any, layout: Any, block_names: list[str]) -> Flow:
 
 def make_pass_flow(structure: Any, layout: Any, block_names: list[str], blocks: range, produced: set) -> Flow:
     """The :class:`Flow` of a call that runs only ``blocks`` and, of the values the step's analysis saw, only
-    those ``produced`` ([Note: partial passes] in :mod:`lightning_pipe._step.generation`): each is carried from
+    those ``produced`` ([Note: partial passes] in :mod:`lightning_pipe._step.partial`): each is carried from
     where it is produced as far as its last use within the call, the code after ``blocks`` included, which runs on
     the answer stage (the stage of block ``blocks.stop``, or the last). The other stages carry nothing."""
     n, last = len(block_names), layout.num_stages - 1

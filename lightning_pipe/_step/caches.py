@@ -23,10 +23,10 @@ sliding windows, an indexer's keys (DeepSeek V3.2), compressor buffers (DeepSeek
 linear attention and state-space layers (Mamba), and the hybrids of those. Every tensor a layer holds is a state per
 row (:func:`_row_slots`); counters (lengths, flags) are the same for every row. A microbatch's stage run sees the
 layers of its window as they are (they change only when they run) and every other layer as it was when the pass
-started. An encoder-decoder's cache (``EncoderDecoderCache``) is two such caches, self- and cross-attention, split alike;
-its layer 0 is the first block of the pass ([Note: partial passes] in :mod:`lightning_pipe._step.generation`). A cache
-of another kind (static, quantised, offloaded) is refused at its first pass, naming the fix; a cache the loop filled
-before the pipeline saw it too.
+started. An encoder-decoder's cache (``EncoderDecoderCache``) is two such caches, self- and cross-attention, split
+alike; its layer 0 is the first block of the pass ([Note: partial passes] in :mod:`lightning_pipe._step.partial`). A
+cache of another kind (static, quantised, offloaded) is refused at its first pass, naming the fix; a cache the loop
+filled before the pipeline saw it too.
 """
 
 from __future__ import annotations
@@ -70,6 +70,7 @@ class PassCaches:
         self._subs: dict[int, dict[tuple[int, int], Any]] = {}  # id(user's cache) -> rows -> that microbatch's cache
         self._users: dict[int, Any] = {}  # id -> the user's cache (kept alive while its microbatch caches are)
         self._patched: list[tuple[Any, str]] = []
+        self._ages: dict[int, int] = {}  # id(user's cache) -> the passes of this step it was given so far
 
     def for_rows(self, cache: Any, start: int, stop: int, probing: Optional[str]) -> Any:
         """The cache the rows ``start:stop`` of a pass see in place of ``cache``; a shape probe (``probing``:
@@ -149,11 +150,20 @@ class PassCaches:
             _reorder_rows(caches, sizes, beam_idx)
         self.mirror()
 
+    def ages(self, caches: list[Any]) -> tuple[int, ...]:
+        """How many passes of this step each of ``caches`` was given before this one, counting this one: the same on
+        every rank (a stage without the call's blocks never sees the cache's contents)."""
+        found = tuple(self._ages.get(id(cache), 0) for cache in caches)
+        for cache in caches:
+            self._ages[id(cache)] = self._ages.get(id(cache), 0) + 1
+        return found
+
     def release(self) -> None:
         """Drop every microbatch cache (the step ended) and undo the patches on the users' caches."""
         for cache, name in self._patched:
             vars(cache).pop(name, None)
         self._patched = []
+        self._ages.clear()
         self._subs.clear()
         self._users.clear()
         self._before.clear()

@@ -21,29 +21,8 @@ runs on every rank of the pipeline at once, as a whole, on the real batch:
   :mod:`lightning_pipe._step.caches`); ``get_seq_length`` answers the same on every stage.
 - **Logs and metrics** are computed on every rank from the same values, so every rank logs what one device logs.
 
-[Note: partial passes] An encoder-decoder's ``generate()`` calls the encoder on its own once (``get_encoder()(...)``),
-then the whole model per token with the encoder's output given (``encoder_outputs=``), which runs the decoder's
-blocks only. A model call that runs some of the backbone's containers is a pass too, over every stage:
-
-- **Which blocks.** The call runs on ghosts up to its first block (:meth:`StepProgram.first_call_of`), which must
-  start a container; the first time a (module, first block) is met, a *census* runs it on ghosts with every block
-  skipped (:meth:`StepProgram.census`): the blocks it calls (whole containers, in order) and the outputs of the
-  modules that produce the values the stages carry ([Note: stage boundaries]). A module's calls count from the
-  first block's region (T5's shared embedding is the decoder's second call in training and its first here).
-- **What crosses.** The training flow, restricted to what the call produces, as far as its uses within the call
-  (:func:`~lightning_pipe._model.flow.make_pass_flow`): the encoder's output, an input of the decoder's calls on
-  every rank, crosses nothing. The code after the call's last block runs on the *answer stage*, the stage that holds
-  that code's parameters: the stage where the next container starts (the encoder's final norm), or the last.
-- **The other stages.** A stage with none of the call's blocks, before them or after the answer stage, passes on what
-  it received (the row numbers when nothing: torch's schedule sends every stage's output). The answer stage keeps
-  its microbatches' outputs when it is not the last, and answers from them after the schedule; its answer goes to
-  every rank from there (:meth:`LockStep._share`). Each kind of call has a schedule of its own (its stages send other
-  shapes).
-- **The caches.** An ``EncoderDecoderCache`` splits as two caches (self- and cross-attention), each microbatch with
-  its own ``is_updated`` flags; the cache's layer 0 is the decoder's first block ([Note: caches per microbatch]).
-- **An encoder outside the backbone** (Florence2 pipelines only its decoder's layers; the encoder runs before them
-  on the first stage): a call of what the model's ``get_encoder()`` returns runs on the stage that holds it, and its
-  output goes to every rank; the decoder's calls then carry no encoder output between stages.
+Calls that run only some of the backbone's containers (an encoder-decoder's encoder, then its decoder per token) are
+passes too: [Note: partial passes] in :mod:`lightning_pipe._step.partial`.
 
 A step is known to generate once its first batch called the backbone a second time: on the last stage that is the
 :class:`~lightning_pipe._model.calls.SecondPass` the single-pass evaluation meets; every rank learns it from the
@@ -70,8 +49,9 @@ from lightning_pipe import _watchdog
 from lightning_pipe._errors import BackboneCallError
 from lightning_pipe._ghost import Ghost, GhostValueError, contains_ghost
 from lightning_pipe._model.calls import slice_batch
-from lightning_pipe._model.flow import Flow, make_pass_flow
+from lightning_pipe._model.flow import Flow
 from lightning_pipe._step.caches import BlockStates, PassCaches, is_cache
+from lightning_pipe._step.partial import PartialPasses
 
 #: Keyword arguments of a pass that are never split by rows, even when their length equals the batch size (a prompt
 #: of as many tokens as there are prompts): Hugging Face's and litgpt's positions of the new tokens.
@@ -116,15 +96,7 @@ class LockStep:
         self._in_pass = False
         prefixes = {".".join(p.split(".")[:i]) for p in backbone.paths for i in range(len(p.split(".")))}
         self._path_modules = [runtime.module.get_submodule(p) for p in sorted(prefixes, key=len)]
-        #: the path modules that hold only some of the backbone's containers (an encoder-decoder's encoder), by id
-        self._partial = {
-            id(runtime.module.get_submodule(p))
-            for p in prefixes
-            if p and not all(c.startswith(p + ".") for c in backbone.paths)
-        }
-        self._flows: dict[tuple[int, int], Optional[Flow]] = {}  # (id(module), first block) -> its pass's flow
-        self._outside = _outside_encoders(runtime.module, runtime.cut, self._path_modules)  # id -> (path, encoder, its stages)
-        self._outside_called = False  # whether a step called one (the decoder's calls are then given its output)
+        self.partial = PartialPasses(runtime, prefixes, self._path_modules)  # [Note: partial passes]
 
     def _window(self) -> Optional[range]:
         """The blocks the stage run in progress runs (a microbatch's cache gives it their cache layers as they are)."""
@@ -192,7 +164,7 @@ class LockStep:
         for module in self._path_modules:
             saved.append((module, vars(module).get("forward")))
             module.forward = self._intercepting(module, module.forward)  # type: ignore[method-assign]
-        for path, module, stages in self._outside.values():
+        for path, module, stages in self.partial.outside.values():
             saved.append((module, vars(module).get("forward")))
             module.forward = self._run_where_held(path, module.forward, stages)  # type: ignore[method-assign]
         guard = self.runtime.cut.backbone.module(0).register_forward_pre_hook(self._outside_a_pass)
@@ -232,7 +204,8 @@ class LockStep:
         return intercepted
 
     def _run_where_held(self, path: str, forward: Callable[..., Any], stages: frozenset[int]) -> Callable[..., Any]:
-        """A call of an encoder outside the backbone (see :func:`_outside_encoders`): run on the first stage that
+        """A call of an encoder outside the backbone (:func:`~lightning_pipe._step.partial.outside_encoders`): run on
+        the first stage that
         holds all of its parameters, its result sent to every rank of the pipeline."""
 
         @functools.wraps(forward)
@@ -245,7 +218,7 @@ class LockStep:
                     " own, but its parameters are split over several stages. Pipeline its layers too (`backbone=`"
                     " the encoder's and the decoder's containers, in the order they run)."
                 )
-            self._outside_called = True
+            self.partial.outside_called = True
             stage = min(stages)
             answer: Any = None
             failed = None
@@ -271,7 +244,7 @@ class LockStep:
         batch_size = shape[0]
         num_microbatches = runtime.microbatches.for_batch(batch_size)
         inputs = _PassInputs(module, args, kwargs, batch_size, self.caches, states=self.states)
-        flow = self._flow_of(module, call, first, inputs)
+        flow = self.partial.flow_of(module, call, first, inputs)
         blocks = flow.blocks if flow is not None else range(len(runtime.cut.backbone))
         last = runtime.layout.num_stages - 1
         answer_stage = last if flow is None else flow.answer_stage % (last + 1)
@@ -284,7 +257,7 @@ class LockStep:
             try:
                 with program.holding(call, inputs, batch_size):
                     sample = program.sub_batch(torch.arange(batch_size // num_microbatches))
-                    output = pipeline.eval_step(sample, batch_size, num_microbatches, blocks=flow and flow.blocks)
+                    output = pipeline.eval_step(sample, batch_size, num_microbatches, kind=_kind(flow, inputs))
             finally:
                 self.states.end()
             if answering:
@@ -300,48 +273,6 @@ class LockStep:
             raise failed
         self.caches.mirror()
         return result
-
-    def _flow_of(self, module: nn.Module, call: Callable[..., Any], first: int, inputs: _PassInputs) -> Optional[Flow]:
-        """What the stages carry in a call of ``module`` whose first block is ``first``: ``None`` for a call of the
-        whole backbone, else the flow of the blocks it runs ([Note: partial passes]); learnt at its first call."""
-        backbone = self.runtime.cut.backbone
-        whole = first == 0 and id(module) not in self._partial
-        if whole and not self._outside_called:
-            return None
-        key = (id(module), first)
-        if key not in self._flows:
-            blocks = backbone.blocks
-            if first > 0 and blocks[first].container == blocks[first - 1].container:
-                raise BackboneCallError(
-                    f"A decoding step's model call started at block `{blocks[first].name}`, inside the container"
-                    f" `{backbone.paths[blocks[first].container]}`. Under `PipelineStrategy` a model call runs the"
-                    " backbone from its first block, or from the first block of one of its containers (an"
-                    " encoder-decoder's decoder): call the model the same way in every decoding step."
-                )
-            program = self.runtime.program
-            try:
-                called, produced = program.census(call, first, inputs.lp_rows(0, inputs.batch_size, "ghost"))
-            except Exception:
-                if not whole:
-                    raise
-                called, produced = list(range(len(blocks))), {p[:3] for p in self.runtime.cut.structure.values}
-            stop = called[-1] + 1
-            if stop < len(blocks) and blocks[stop].container == blocks[stop - 1].container:
-                raise BackboneCallError(
-                    f"A decoding step's model call ran the backbone from block `{blocks[first].name}` to"
-                    f" `{blocks[stop - 1].name}` only, inside the container `{backbone.paths[blocks[stop].container]}`."
-                    " Under `PipelineStrategy` a model call runs whole containers of blocks (an encoder-decoder's"
-                    " encoder, then its decoder)."
-                )
-            structure = self.runtime.cut.structure
-            produced |= {("block", j, 0) for j in range(first, stop)}
-            produced |= {p[:3] for p, (position, _) in structure.values.items()
-                         if p[0] == "inner" and first <= (position - 1) // 2 < stop}
-            everything = stop == len(blocks) and all(p[:3] in produced or p in produced for p in structure.values)
-            self._flows[key] = None if whole and everything else make_pass_flow(
-                structure, self.runtime.layout, [b.name for b in blocks], range(first, stop), produced
-            )
-        return self._flows[key]
 
     def _share(self, answer: Any, inputs: Any, stage: int) -> Any:
         """The ``answer`` of ``stage`` (the last, or the answer stage of a partial pass) on every rank of the
@@ -391,34 +322,6 @@ class LockStep:
         set_random_state(states, device)
 
 
-def _outside_encoders(
-    root: nn.Module, cut: Any, path_modules: list[nn.Module]
-) -> dict[int, tuple[str, nn.Module, frozenset[int]]]:
-    """The encoders outside the backbone that ``generate()`` calls on its own: what an encoder-decoder path module's
-    ``get_encoder()`` returns when the backbone holds none of it (Florence2's language encoder runs before the
-    pipelined decoder, on the first stage). ``{id: (path, encoder, the stages that hold all its parameters)}``."""
-    found: dict[int, tuple[str, nn.Module, frozenset[int]]] = {}
-    paths = {id(m) for m in path_modules}
-    names = {id(m): name for name, m in root.named_modules()}
-    blocks = {id(cut.backbone.module(i)) for i in range(len(cut.backbone))}
-    for module in path_modules:
-        if not getattr(getattr(module, "config", None), "is_encoder_decoder", False):
-            continue
-        try:
-            encoder = module.get_encoder()
-        except Exception:
-            continue
-        if not isinstance(encoder, nn.Module) or id(encoder) in paths or id(encoder) in found:
-            continue
-        inside = {id(m) for m in encoder.modules()}
-        if inside & blocks:
-            continue
-        held = [r.stages for r in cut.registrations if r.kind == "parameter" and id(r.owner) in inside]
-        if held:
-            found[id(encoder)] = (names.get(id(encoder), type(encoder).__name__), encoder, frozenset.intersection(*held))
-    return found
-
-
 def random_state_of(device: torch.device) -> list[Tensor]:
     """torch's random state on the host, and on ``device`` when it is a GPU."""
     states = [torch.get_rng_state()]
@@ -459,6 +362,20 @@ class _PassInputs:
             self.states.rows(start, stop)
         args = tuple(cut(a, name) for a, name in zip(self.args, self.names))
         return args, {k: cut(v, k) for k, v in self.kwargs.items()}
+
+
+def _kind(flow: Optional[Flow], inputs: _PassInputs) -> Optional[tuple]:
+    """What the stage shapes of a partial pass depend on besides its inputs' shapes ([Note: partial passes]): its
+    blocks, and, when its stages carry more than the hidden state, how many passes its caches have seen (T5's decoder
+    carries its position bias, as wide as the cache plus the new tokens, in every decoding step's same-shaped call;
+    the cache's length is not known on the stages without the decoder's blocks)."""
+    caches = [v for v in (*inputs.args, *inputs.kwargs.values()) if is_cache(v)]
+    ages = inputs.caches.ages(caches)
+    if flow is None:
+        return None
+    assert flow.blocks is not None
+    kind: tuple = (flow.blocks.start, flow.blocks.stop)
+    return kind + ages if flow.carries_more_than_hidden() else kind
 
 
 def _positional_names(module: nn.Module, count: int) -> list[Optional[str]]:

@@ -222,11 +222,12 @@ class StagePipeline:
             self._loss_fn = None
 
     def eval_step(
-        self, sample: Any, batch_size: int, num_microbatches: int, blocks: Optional[range] = None
+        self, sample: Any, batch_size: int, num_microbatches: int, kind: Optional[tuple] = None
     ) -> Optional[torch.Tensor]:
         """Forward-only pass of one batch. Returns the merged last-stage output on the last stage, else ``None``.
-        ``blocks``: the blocks of a call that runs only some (its stages send other values: a schedule of its own)."""
-        key = self._key_for(sample, batch_size, num_microbatches, training=False, blocks=blocks)
+        ``kind``: what else the stages' shapes depend on (a call that runs only some blocks sends other values:
+        [Note: partial passes]); a schedule of its own."""
+        key = self._key_for(sample, batch_size, num_microbatches, training=False, kind=kind)
         schedule = self._schedule_for(key)
         rows = torch.arange(batch_size, device=self.device)
         with self._dropped_if_it_fails(schedule), _watchdog.waiting(lambda: self._transfers("evaluation")):
@@ -286,12 +287,11 @@ class StagePipeline:
 
     # ------------------------------------------------------------------ building
     def _key_for(
-        self, sample: Any, batch_size: int, num_microbatches: int, training: bool, blocks: Optional[range] = None
+        self, sample: Any, batch_size: int, num_microbatches: int, training: bool, kind: Optional[tuple] = None
     ) -> tuple:
         rows = batch_size // num_microbatches
         shapes = tuple((tuple(t.shape), t.dtype) for t in tree_leaves(sample) if isinstance(t, torch.Tensor))
-        calls = None if blocks is None else (blocks.start, blocks.stop)
-        return rows, shapes, num_microbatches, training, torch.is_autocast_enabled(self.device.type), calls
+        return rows, shapes, num_microbatches, training, torch.is_autocast_enabled(self.device.type), kind
 
     def _schedule_for(self, key: tuple) -> Any:
         """The schedule kept for ``key`` (:meth:`_key_for`), built when it is not."""
