@@ -208,6 +208,37 @@ def test_beam_reorder_moves_rows_between_microbatches() -> None:
     assert values.tolist() == [103.0, 100.0, 100.0, 102.0]
 
 
+def test_a_partial_pass_carries_what_its_call_produces_to_its_answer_stage() -> None:
+    """[Note: partial passes] on T5's flow, 3 + 3 blocks on 4 stages: the encoder's call is answered on stage 1 (the
+    encoder's final norm runs where the decoder starts); the decoder's calls carry its position bias, and not the
+    encoder's output, which they are given."""
+    from types import SimpleNamespace
+
+    from lightning_pipe._model.flow import make_pass_flow
+    from lightning_pipe.partition import StageLayout
+
+    norm = ("module", "model.encoder.final_layer_norm", 0, 0)
+    values = {  # producer -> (position, uses); block j is at 2j + 1, the code before block j at 2j
+        ("block", 0, 0, 1): (1, {3, 5}),  # the encoder's position bias
+        ("block", 1, 0, 0): (3, {5}),
+        ("block", 2, 0, 0): (5, {6}),  # the encoder's last hidden state, read by its final norm
+        norm: (6, {7, 9, 11}),  # the encoder's output, read by every decoder block
+        ("block", 3, 0, 0): (7, {9}),
+        ("block", 3, 0, 1): (7, {9, 11}),  # the decoder's position bias
+        ("block", 4, 0, 0): (9, {11}),
+        ("block", 5, 0, 0): (11, {12}),  # read by the head
+    }
+    structure = SimpleNamespace(values=values)
+    layout = StageLayout(((0, 2), (2, 4), (4, 5), (5, 6)), 4)
+    names = [f"b{i}" for i in range(6)]
+    encoder = make_pass_flow(structure, layout, names, range(0, 3), {("block", j, 0) for j in range(3)} | {norm[:3]})
+    assert encoder.answer_stage == 1 and encoder.answers == (("block", 2, 0, 0),)
+    assert encoder.sends[0] == (("block", 0, 0, 1), ("block", 1, 0, 0)) and encoder.sends[2:] == ((), ())
+    decoder = make_pass_flow(structure, layout, names, range(3, 6), {("block", j, 0) for j in range(3, 6)})
+    assert decoder.answer_stage == 3 and decoder.answers == (("block", 5, 0, 0),)
+    assert decoder.sends[:3] == ((), (("block", 3, 0, 0), ("block", 3, 0, 1)), (("block", 3, 0, 1), ("block", 4, 0, 0)))
+
+
 def test_encoder_decoder_caches_split_both_parts_and_reorder_them() -> None:
     """An ``EncoderDecoderCache``: each microbatch gets its own self- and cross-attention caches and ``is_updated``
     flags; beam search reorders the rows of both."""

@@ -205,8 +205,7 @@ class LockStep:
 
     def _run_where_held(self, path: str, forward: Callable[..., Any], stages: frozenset[int]) -> Callable[..., Any]:
         """A call of an encoder outside the backbone (:func:`~lightning_pipe._step.partial.outside_encoders`): run on
-        the first stage that
-        holds all of its parameters, its result sent to every rank of the pipeline."""
+        the first stage that holds all of its parameters, its result sent to every rank of the pipeline."""
 
         @functools.wraps(forward)
         def intercepted(*args: Any, **kwargs: Any) -> Any:
