@@ -292,6 +292,10 @@ class LockStep:
             dist.broadcast_object_list(header, group_src=src, group=group)
             spec, kinds = header[0]
             if isinstance(spec, _Failed):  # the answering stage raises its own error, the others this one
+                if not mine and stage != runtime.layout.num_stages - 1:
+                    raise BackboneCallError(
+                        f"Pipeline stage {stage} (pipeline rank {src}) failed in a generation pass: {spec.message}"
+                    )
                 return None if mine else _rebuild(spec, kinds, [], input_leaves, device)
             received = []
             for kind in kinds:
