@@ -75,13 +75,7 @@ class PassCaches:
     def for_rows(self, cache: Any, start: int, stop: int, probing: Optional[str]) -> Any:
         """The cache the rows ``start:stop`` of a pass see in place of ``cache``; a shape probe (``probing``:
         ``"ghost"`` or ``"real"``, how it runs) gets a copy it may change."""
-        subs = self._subs.get(id(cache))
-        if subs is None:
-            for part in _parts(cache):
-                _check_splittable(part, cache)
-            subs = self._subs[id(cache)] = {}
-            self._users[id(cache)] = cache
-            self._patch(cache)
+        subs = self.adopt(cache)
         sub = subs.get((start, stop))
         if probing == "real":  # a tensor-parallel stage's probe runs its blocks for real
             return self._throwaway(sub if sub is not None else cache)
@@ -101,6 +95,18 @@ class PassCaches:
                         part.layers.append(part.layer_class_to_replicate())
                 self._before[id(part)] = [_ghost_layer(layer) for layer in part.layers]
         return _pass_view(sub, self._before, self.window())
+
+    def adopt(self, cache: Any) -> dict[tuple[int, int], Any]:
+        """Take the user's ``cache`` in at its first pass, on every rank (a stage without the pass's blocks included,
+        so that what cannot split is refused everywhere alike): checked, patched; returns its microbatch caches."""
+        subs = self._subs.get(id(cache))
+        if subs is None:
+            for part in _parts(cache):
+                _check_splittable(part, cache)
+            subs = self._subs[id(cache)] = {}
+            self._users[id(cache)] = cache
+            self._patch(cache)
+        return subs
 
     def window(self) -> Optional[range]:
         """The cache layers the stage run in progress runs."""

@@ -243,6 +243,9 @@ class LockStep:
         batch_size = shape[0]
         num_microbatches = runtime.microbatches.for_batch(batch_size)
         inputs = _PassInputs(module, args, kwargs, batch_size, self.caches, states=self.states)
+        for value in (*args, *kwargs.values()):
+            if is_cache(value):  # on every rank, also where no stage runs this call's blocks
+                self.caches.adopt(value)
         flow = self.partial.flow_of(module, call, first, inputs)
         blocks = flow.blocks if flow is not None else range(len(runtime.cut.backbone))
         last = runtime.layout.num_stages - 1
@@ -372,8 +375,7 @@ def _kind(flow: Optional[Flow], inputs: _PassInputs) -> Optional[tuple]:
     blocks, and, when its stages carry more than the hidden state, how many passes its caches have seen (T5's decoder
     carries its position bias, as wide as the cache plus the new tokens, in every decoding step's same-shaped call;
     the cache's length is not known on the stages without the decoder's blocks)."""
-    caches = [v for v in (*inputs.args, *inputs.kwargs.values()) if is_cache(v)]
-    ages = inputs.caches.ages(caches)
+    ages = inputs.caches.ages([v for v in (*inputs.args, *inputs.kwargs.values()) if is_cache(v)])
     if flow is None:
         return None
     assert flow.blocks is not None
