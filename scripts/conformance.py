@@ -382,7 +382,7 @@ def markdown(data: dict[str, Any]) -> str:
              f"{data['meta']['note']}). Exact: losses of every step and final weights within 1e-5 of one process, "
              "the same tokens from `generate()` greedy and with `num_beams=2` (a diffusion model: its output "
              "within 1e-5). Refused: an error `lightning_pipe` raises itself on every rank, naming the reason, at "
-             "setup or at the first generation pass (encoder-decoder `generate()`, caches it cannot split). Defect: "
+             "setup or at the first generation pass (caches it cannot split). Defect: "
              "any other error, a hang or a difference. Not built: the tiny model fails on one process (not counted). "
              "Not run: the sweep's time cap came first.",
              "",

@@ -56,10 +56,11 @@ class CacheWatch:
 
         def mirror(caches: Any) -> None:
             for sub in caches.live:
-                for index, layer in enumerate(sub.layers):
-                    if _caches._holds(layer):
-                        watch.held_layers.add(index)
-                        watch.longest = max(watch.longest, layer.keys.shape[-2])
+                for part in _caches._parts(sub)[:1]:  # an encoder-decoder's: its self-attention cache
+                    for index, layer in enumerate(part.layers):
+                        if _caches._holds(layer):
+                            watch.held_layers.add(index + caches.offset)  # the cache's layer 0 is block `offset`
+                            watch.longest = max(watch.longest, layer.keys.shape[-2])
             watch._mirror(caches)
 
         _caches.PassCaches.for_rows, _caches.PassCaches.mirror = for_rows, mirror

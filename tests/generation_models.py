@@ -1,7 +1,8 @@
 """Models that score themselves by generating, as fine-tuning scripts do (tests/test_generation.py).
 
 - :class:`GenerativeLM`: a Hugging Face causal LM (Llama or GPT-2 from a tiny config, optionally wrapped in a peft
-  LoRA adapter) fine-tuned on padded batches with ``-100`` labels. Its ``validation_step`` computes the loss, then
+  LoRA adapter), or an encoder-decoder (T5, Bart: the prompt is the encoder's input), fine-tuned on padded batches
+  with ``-100`` labels. Its ``validation_step`` computes the loss, then
   calls ``self.model.generate(...)`` on left-padded prompts of different lengths (greedy, beam search or sampling
   with a seed), decodes the new tokens to text and scores them with torchmetrics' character error rate. Its
   ``predict_step`` returns the generated tokens.
@@ -68,13 +69,34 @@ class GenerativeLM(zoo.Lit):
         super().__init__(**kwargs)
         from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-        if family == "llama":
+        self.seq2seq = family in ("t5", "bart")  # issue 36: encoder-decoder, `layers // 2` blocks in each
+        if family == "t5":
+            from transformers import T5Config, T5ForConditionalGeneration
+
+            config = T5Config(
+                vocab_size=zoo.VOCAB, d_model=zoo.DIM, d_kv=zoo.DIM // zoo.HEADS, d_ff=2 * zoo.DIM, num_heads=zoo.HEADS,
+                num_layers=layers // 2, num_decoder_layers=layers // 2, dropout_rate=0.0, eos_token_id=EOS,
+                pad_token_id=0, decoder_start_token_id=0,
+            )
+            model: Any = T5ForConditionalGeneration(config)
+        elif family == "bart":
+            from transformers import BartConfig, BartForConditionalGeneration
+
+            config = BartConfig(
+                vocab_size=zoo.VOCAB, d_model=zoo.DIM, encoder_layers=layers // 2, decoder_layers=layers // 2,
+                encoder_attention_heads=zoo.HEADS, decoder_attention_heads=zoo.HEADS, encoder_ffn_dim=2 * zoo.DIM,
+                decoder_ffn_dim=2 * zoo.DIM, max_position_embeddings=64, dropout=0.0, attention_dropout=0.0,
+                activation_dropout=0.0, init_std=INIT, eos_token_id=EOS, pad_token_id=0, bos_token_id=1,
+                decoder_start_token_id=EOS, forced_eos_token_id=None,
+            )
+            model = BartForConditionalGeneration(config)
+        elif family == "llama":
             config = LlamaConfig(
                 vocab_size=zoo.VOCAB, hidden_size=zoo.DIM, intermediate_size=2 * zoo.DIM, num_hidden_layers=layers,
                 num_attention_heads=zoo.HEADS, num_key_value_heads=2, max_position_embeddings=64,
                 eos_token_id=EOS, pad_token_id=0, bos_token_id=1, initializer_range=INIT,
             )
-            model: Any = LlamaForCausalLM(config)
+            model = LlamaForCausalLM(config)
         else:
             config = GPT2Config(
                 vocab_size=zoo.VOCAB, n_embd=zoo.DIM, n_layer=layers, n_head=zoo.HEADS, n_positions=64,
@@ -116,6 +138,9 @@ class GenerativeLM(zoo.Lit):
             options.update(do_sample=False, cache_implementation="static")
         else:
             options.update(do_sample=False)
+        if self.seq2seq:  # the prompt is the encoder's input; the decoder's start token begins the output
+            options["min_new_tokens"] = NEW_TOKENS
+            return self.model.generate(input_ids=prompt, **options)[:, 1:]
         out = self.model.generate(input_ids=prompt, **options)
         return out[:, prompt.shape[1]:]
 

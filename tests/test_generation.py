@@ -3,7 +3,8 @@
 One four-process launch runs every case, pp4 and pp2 x dp2 (starting processes costs more than these small fits);
 each case fine-tunes on padded batches with ``-100`` labels (two SGD steps, clipping), and validates at the end of
 the epoch with a ``validation_step`` that computes the loss and then generates 16 tokens from left-padded prompts
-of different lengths (tests/generation_models.py). Every case compares, on every rank, the generated token ids with
+of different lengths (tests/generation_models.py); T5 and Bart cases generate from the prompt as the encoder's
+input (issue 36). Every case compares, on every rank, the generated token ids with
 the single-device run's (exactly), the metrics computed from the generated text and the training losses (within
 1e-5). The caches: each rank's microbatch caches held its own stages' layers only, no longer than prompt plus new
 tokens, and none is alive after the run. Issue 36: beam search as the step's first model call
@@ -53,6 +54,10 @@ CASES = [
     case("gpt2_beam_first_pp2", "lm", PP2, model_kwargs={"family": "gpt2", "decode": "beam", "generate_first": True}),
     case("llama_beam_tp", "lm", {**PP2, "tensor_parallel_size": 2, "tensor_parallel_plan": "auto"},
          model_kwargs={"family": "llama", "decode": "beam"}),
+    # issue 36: an encoder-decoder ([Note: partial passes]), 3 + 3 blocks on 4 stages: stage 1 holds the encoder's
+    # last block and the decoder's first, so it computes the encoder's output (its final norm runs where the decoder
+    # starts) and is not the last; the decoder's position bias crosses stages 1 to 3; beams reorder both caches.
+    case("t5_beam_pp4", "lm", PP4, model_kwargs={"family": "t5", "decode": "beam", "layers": 6}),
 ]
 ERRORS = [
     case("static_cache", "lm", PP2, model_kwargs={"family": "llama", "decode": "static"}, expect_error=True),
@@ -205,6 +210,65 @@ def test_beam_reorder_moves_rows_between_microbatches() -> None:
         sub.layers[0].window_keys = torch.tensor([])
     user.reorder_cache(torch.tensor([1, 1, 2, 3]))
     assert torch.cat([sub.layers[0].keys[:, 0, 0, 0] for sub in caches.live]).tolist() == [0.0, 0.0, 0.0, 2.0]
+
+
+def test_a_partial_pass_carries_what_its_call_produces_to_its_answer_stage() -> None:
+    """[Note: partial passes] on T5's flow, 3 + 3 blocks on 4 stages: the encoder's call is answered on stage 1 (the
+    encoder's final norm runs where the decoder starts); the decoder's calls carry its position bias, and not the
+    encoder's output, which they are given."""
+    from types import SimpleNamespace
+
+    from lightning_pipe._model.flow import make_pass_flow
+    from lightning_pipe.partition import StageLayout
+
+    norm = ("module", "model.encoder.final_layer_norm", 0, 0)
+    values = {  # producer -> (position, uses); block j is at 2j + 1, the code before block j at 2j
+        ("block", 0, 0, 1): (1, {3, 5}),  # the encoder's position bias
+        ("block", 1, 0, 0): (3, {5}),
+        ("block", 2, 0, 0): (5, {6}),  # the encoder's last hidden state, read by its final norm
+        norm: (6, {7, 9, 11}),  # the encoder's output, read by every decoder block
+        ("block", 3, 0, 0): (7, {9}),
+        ("block", 3, 0, 1): (7, {9, 11}),  # the decoder's position bias
+        ("block", 4, 0, 0): (9, {11}),
+        ("block", 5, 0, 0): (11, {12}),  # read by the head
+    }
+    structure = SimpleNamespace(values=values)
+    layout = StageLayout(((0, 2), (2, 4), (4, 5), (5, 6)), 4)
+    names = [f"b{i}" for i in range(6)]
+    encoder = make_pass_flow(structure, layout, names, range(0, 3), {("block", j, 0) for j in range(3)} | {norm[:3]})
+    assert encoder.answer_stage == 1 and encoder.answers == (("block", 2, 0, 0),)
+    assert encoder.sends[0] == (("block", 0, 0, 1), ("block", 1, 0, 0)) and encoder.sends[2:] == ((), ())
+    decoder = make_pass_flow(structure, layout, names, range(3, 6), {("block", j, 0) for j in range(3, 6)})
+    assert decoder.answer_stage == 3 and decoder.answers == (("block", 5, 0, 0),)
+    assert decoder.sends[:3] == ((), (("block", 3, 0, 0), ("block", 3, 0, 1)), (("block", 3, 0, 1), ("block", 4, 0, 0)))
+
+
+def test_encoder_decoder_caches_split_both_parts_and_reorder_them() -> None:
+    """An ``EncoderDecoderCache``: each microbatch gets its own self- and cross-attention caches and ``is_updated``
+    flags; beam search reorders the rows of both."""
+    from transformers import DynamicCache, EncoderDecoderCache
+
+    from lightning_pipe._ghost import Ghost
+    from lightning_pipe._step.caches import PassCaches
+
+    caches = PassCaches(num_layers=2)
+    user = EncoderDecoderCache(DynamicCache(), DynamicCache())
+    for start, stop in [(0, 2), (2, 4)]:
+        view = caches.for_rows(user, start, stop, probing=None)
+        keys = torch.arange(start, stop, dtype=torch.float32).view(-1, 1, 1, 1).expand(-1, 2, 3, 4).clone()
+        view.self_attention_cache.update(keys, keys + 100, 0)
+        view.cross_attention_cache.update(keys + 10, keys, 0)
+        view.is_updated[0] = True
+    caches.mirror()
+    subs = caches.live
+    assert all(sub.is_updated[0] for sub in subs) and not user.is_updated.get(0)
+    assert isinstance(subs[0].self_attention_cache.layers[1].keys, Ghost)
+    assert user.get_seq_length() == 3 and tuple(user.cross_attention_cache.layers[0].keys.shape) == (4, 2, 3, 4)
+    user.reorder_cache(torch.tensor([3, 0, 0, 2]))
+    for part, plus in (("self_attention_cache", 0.0), ("cross_attention_cache", 10.0)):
+        rows = torch.cat([getattr(sub, part).layers[0].keys[:, 0, 0, 0] for sub in caches.live])
+        assert rows.tolist() == [3.0 + plus, plus, plus, 2.0 + plus]
+    caches.release()
 
 
 def test_what_cannot_split_is_refused_and_release_frees() -> None:

@@ -72,6 +72,13 @@ class Structure:
     #: per block: the calls inside it of modules with forward hooks, replayed where it is skipped ([Note: values from
     #: inside blocks] in :mod:`lightning_pipe._model.inner`); empty unless a value leaves a block that way
     inner_calls: dict[int, list[InnerCall]] = field(default_factory=dict)
+    #: per producer module outside the blocks: the region of each of its calls, in order (a call that runs only some
+    #: containers, an encoder-decoder's decoder, counts its calls from its first region: [Note: partial passes])
+    call_regions: dict[str, list[int]] = field(default_factory=dict)
+
+    def calls_before(self, region: int) -> dict[str, int]:
+        """``{producer module: its calls in the regions before ``region``}``."""
+        return {path: sum(r < region for r in regions) for path, regions in self.call_regions.items()}
 
     def producer_modules(self, kind: str = "module") -> set[str]:
         """The paths of the modules whose outputs cross a boundary: outside the blocks, or ``"inner"``: inside."""
@@ -129,10 +136,17 @@ class BlockCalls:
         self.module_calls: dict[str, int] = {}  # producer module -> its calls outside the blocks so far
         self.inner_calls: dict[str, int] = {}  # producer module inside a block -> its calls so far
         self.restore_prefix: Optional[Callable[[], None]] = None  # undoes the ghosting of tensors read early
+        self.end = len(program.backbone)  # the block after the last one the run calls
+
+    def calls(self, blocks: range, offsets: dict[str, int]) -> None:
+        """The run is a call of the model that runs only ``blocks`` ([Note: partial passes]): it starts at their first
+        block, its producer modules counting their calls from ``offsets``, and its backbone ends after the last."""
+        self.next, self.end = blocks.start, blocks.stop
+        self.module_calls = dict(offsets)
 
     def call_block(self, index: int, block: nn.Module, args: tuple, kwargs: dict) -> Any:
         backbone = self.program.backbone
-        if index == 0 and self.after_backbone:
+        if self.after_backbone:  # an encoder-decoder's next pass starts at the decoder's first block
             raise SecondPass(
                 "The step called the backbone a second time. `PipelineStrategy` runs each backbone block exactly once"
                 " per step in `training_step`: call the backbone once per batch. (Decoding loops, `generate()`, run"
@@ -148,7 +162,7 @@ class BlockCalls:
         at = self.locate_hidden(index, args, kwargs)
         hidden = get_hidden(args, kwargs, at)
         out = self.on_block(index, block, args, kwargs, at=at, hidden=hidden)
-        if index == len(backbone) - 1:
+        if index == self.end - 1:
             self.after_backbone = True
             self.on_backbone_end()
         return out
@@ -238,17 +252,25 @@ class BlockRunners:
 
     def batch_size_of(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> int:
         """The batch size of a step's call: the rows of the first block's hidden state (see :func:`rows_dim`)."""
-        shape = self.hidden_shape_of(step, *args, **kwargs)
-        self.rows_dim = rows_dim(shape, args[:1])
+        return self.rows_of(self.hidden_shape_of(step, *args, **kwargs), *args[:1])
+
+    def rows_of(self, shape: tuple[int, ...], batch: Any) -> int:
+        """The rows of a call of ``batch`` whose first block's hidden state has ``shape``; learns :attr:`rows_dim`."""
+        self.rows_dim = rows_dim(shape, (batch,))
         return shape[self.rows_dim]
 
     def hidden_shape_of(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[int, ...]:
         """The shape of the first block's hidden state in a step's call (found on ghosts)."""
+        return self.first_call_of(step, *args, **kwargs)[1]
+
+    def first_call_of(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[int, tuple[int, ...]]:
+        """The first block a step's call runs (0, or an encoder-decoder's decoder's first when it is given the
+        encoder's output) and the shape of its hidden state (found on ghosts)."""
         with self.running(_Capture(self), swaps="answer") as run:
             try:
                 call_muted(self.module, step, args, kwargs)
             except Stop as stop:
-                hidden = stop.value
+                index, hidden = stop.value
             else:
                 raise never_called(run)
         if not isinstance(hidden, Tensor) or hidden.dim() == 0:
@@ -256,7 +278,7 @@ class BlockRunners:
                 "The first backbone block was called without a batched tensor as its hidden state. `PipelineStrategy`"
                 " splits it along dimension 0 into microbatches: pass the hidden state as a tensor, batch first."
             )
-        return tuple(int(n) for n in hidden.shape)
+        return index, tuple(int(n) for n in hidden.shape)
 
     def hidden_of(self, index: int, out: Any) -> Any:
         """The hidden state in what block ``index`` returned."""
@@ -370,8 +392,8 @@ def _module_returned(program: Any, path: str, called: nn.Module, args: Any, outp
 
 
 class _Capture(BlockCalls):
-    def on_block(self, index: int, block: nn.Module, args: tuple, kwargs: dict, at: HiddenAt, hidden: Any) -> Any:
-        raise Stop(hidden)
+    def call_block(self, index: int, block: nn.Module, args: tuple, kwargs: dict) -> Any:
+        raise Stop((index, get_hidden(args, kwargs, self.locate_hidden(index, args, kwargs))))
 
 
 

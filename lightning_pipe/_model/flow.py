@@ -32,7 +32,7 @@ parameter directly (move that code into a module), and a boundary that would car
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
 
 from lightning_pipe._errors import BackboneCallError
 
@@ -74,13 +74,18 @@ class Flow:
 
     sends: tuple[tuple[Producer, ...], ...]
     names: dict
+    #: the stage whose ``sends`` are the answers: the last, or, for a call that runs only some blocks, the stage that
+    #: runs the code after them ([Note: partial passes])
+    answer_stage: int = -1
+    #: the blocks the call runs (``None``: all of them)
+    blocks: Optional[range] = None
 
     def receives(self, stage: int) -> tuple[Producer, ...]:
         return self.sends[stage - 1] if stage > 0 else ()
 
     @property
     def answers(self) -> tuple[Producer, ...]:
-        return self.sends[-1]
+        return self.sends[self.answer_stage]
 
     def carries_more_than_hidden(self) -> bool:
         return any(len(s) > 1 for s in self.sends)
@@ -139,6 +144,35 @@ def make_flow(structure: Any, layout: StageLayout, block_names: list[str]) -> Fl
             " result) from the last block's output."
         )
     return Flow(tuple(tuple(s) for s in sends), names)
+
+
+def make_pass_flow(structure: Any, layout: Any, block_names: list[str], blocks: range, produced: set) -> Flow:
+    """The :class:`Flow` of a call that runs only ``blocks`` and, of the values the step's analysis saw, only
+    those ``produced`` ([Note: partial passes] in :mod:`lightning_pipe._step.partial`): each is carried from
+    where it is produced as far as its last use within the call, the code after ``blocks`` included, which runs on
+    the answer stage (the stage of block ``blocks.stop``, or the last). The other stages carry nothing."""
+    n, last = len(block_names), layout.num_stages - 1
+    answer_stage = last if blocks.stop >= n else layout.stage_of_block(blocks.stop)
+    end = region_position(blocks.stop)
+
+    def stage_of(position: int) -> int:
+        if position % 2:
+            return layout.stage_of_block((position - 1) // 2)
+        return answer_stage if position >= end else layout.stage_of_block(position // 2)
+
+    sends: list[list[Producer]] = [[] for _ in range(layout.num_stages)]
+    for producer, (position, uses) in structure.values.items():
+        if producer not in produced and producer[:3] not in produced:
+            continue
+        start = stage_of(position)
+        answer = position < end <= max(uses)  # read after the call's blocks (or by what it returns)
+        later = [stage_of(u) for u in uses if position < u <= end] + [answer_stage] * answer
+        for s in range(start, min(max(later, default=start), answer_stage)):
+            sends[s].append(producer)
+        if answer:
+            sends[answer_stage].append(producer)
+    return Flow(tuple(tuple(s) for s in sends), {p: _name(p, block_names) for p in structure.values},
+                answer_stage, blocks)
 
 
 def _name(producer: Producer, block_names: list[str]) -> str:

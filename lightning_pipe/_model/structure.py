@@ -173,6 +173,7 @@ class _Analysis(BlockCalls):
                 self.producers[self._keep(leaf)] = (("inner", path, call, i), block_position(index))
 
     def on_module_output(self, path: str, call: int, output: Any) -> None:
+        self.structure.call_regions.setdefault(path, []).append(self.next)
         for i, leaf in enumerate(tree_leaves(output)):
             if isinstance(leaf, Ghost) and id(leaf) not in self.producers and id(leaf) not in self.ghost_params:
                 self.producers[self._keep(leaf)] = (("module", path, call, i), self._here())
@@ -333,6 +334,8 @@ class _Analysis(BlockCalls):
             if later:
                 self.structure.values[producer] = (position, later)
         self._check_inner()
+        producers = self.structure.producer_modules()
+        self.structure.call_regions = {p: r for p, r in self.structure.call_regions.items() if p in producers}
         return self.structure
 
     def _check_inner(self) -> None:

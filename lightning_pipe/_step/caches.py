@@ -23,8 +23,10 @@ sliding windows, an indexer's keys (DeepSeek V3.2), compressor buffers (DeepSeek
 linear attention and state-space layers (Mamba), and the hybrids of those. Every tensor a layer holds is a state per
 row (:func:`_row_slots`); counters (lengths, flags) are the same for every row. A microbatch's stage run sees the
 layers of its window as they are (they change only when they run) and every other layer as it was when the pass
-started. A cache of another kind (static, quantised, offloaded, encoder-decoder) is refused at its first pass, naming
-the fix; a cache the loop filled before the pipeline saw it too.
+started. An encoder-decoder's cache (``EncoderDecoderCache``) is two such caches, self- and cross-attention, split
+alike; its layer 0 is the first block of the pass ([Note: partial passes] in :mod:`lightning_pipe._step.partial`). A
+cache of another kind (static, quantised, offloaded) is refused at its first pass, naming the fix; a cache the loop
+filled before the pipeline saw it too.
 """
 
 from __future__ import annotations
@@ -63,21 +65,18 @@ class PassCaches:
 
     def __init__(self, num_layers: int, window: Callable[[], Optional[range]] = lambda: None) -> None:
         self.num_layers = num_layers  # entries a cache made on first use gets up front
-        self.window = window  # the layers the stage run in progress runs (None: not known)
+        self.offset = 0  # the block of the pass's cache layer 0 (a decoder's first block: [Note: partial passes])
+        self._window = window  # the blocks the stage run in progress runs (None: not known)
         self._before: dict[int, list[Any]] = {}  # id(microbatch cache) -> its entries as the pass started
         self._subs: dict[int, dict[tuple[int, int], Any]] = {}  # id(user's cache) -> rows -> that microbatch's cache
         self._users: dict[int, Any] = {}  # id -> the user's cache (kept alive while its microbatch caches are)
         self._patched: list[tuple[Any, str]] = []
+        self._ages: dict[int, int] = {}  # id(user's cache) -> the passes of this step it was given so far
 
     def for_rows(self, cache: Any, start: int, stop: int, probing: Optional[str]) -> Any:
         """The cache the rows ``start:stop`` of a pass see in place of ``cache``; a shape probe (``probing``:
         ``"ghost"`` or ``"real"``, how it runs) gets a copy it may change."""
-        subs = self._subs.get(id(cache))
-        if subs is None:
-            _check_splittable(cache)
-            subs = self._subs[id(cache)] = {}
-            self._users[id(cache)] = cache
-            self._patch(cache)
+        subs = self.adopt(cache)
         sub = subs.get((start, stop))
         if probing == "real":  # a tensor-parallel stage's probe runs its blocks for real
             return self._throwaway(sub if sub is not None else cache)
@@ -91,11 +90,29 @@ class PassCaches:
                     " the pipeline fills the cache: start decoding from an empty cache (as `generate()` does)."
                 )
             sub = subs[(start, stop)] = self._throwaway(cache)
-            if getattr(sub, "layer_class_to_replicate", None) is not None:  # entries made on first use: made now
-                while len(sub.layers) < self.num_layers:
-                    sub.layers.append(sub.layer_class_to_replicate())
-            self._before[id(sub)] = [_ghost_layer(layer) for layer in sub.layers]
-        return _pass_view(sub, self._before[id(sub)], self.window())
+            for part in _parts(sub):
+                if getattr(part, "layer_class_to_replicate", None) is not None:  # entries made on first use: now
+                    while len(part.layers) < self.num_layers:
+                        part.layers.append(part.layer_class_to_replicate())
+                self._before[id(part)] = [_ghost_layer(layer) for layer in part.layers]
+        return _pass_view(sub, self._before, self.window())
+
+    def adopt(self, cache: Any) -> dict[tuple[int, int], Any]:
+        """Take the user's ``cache`` in at its first pass, on every rank (a stage without the pass's blocks included,
+        so that what cannot split is refused everywhere alike): checked, patched; returns its microbatch caches."""
+        subs = self._subs.get(id(cache))
+        if subs is None:
+            for part in _parts(cache):
+                _check_splittable(part, cache)
+            subs = self._subs[id(cache)] = {}
+            self._users[id(cache)] = cache
+            self._patch(cache)
+        return subs
+
+    def window(self) -> Optional[range]:
+        """The cache layers the stage run in progress runs."""
+        blocks = self._window()
+        return None if blocks is None else range(blocks.start - self.offset, blocks.stop - self.offset)
 
     def _throwaway(self, cache: Any) -> Any:
         twin = copy.deepcopy(cache)
@@ -103,12 +120,16 @@ class PassCaches:
             vars(twin).pop(name, None)
         return twin
 
-    def begin_pass(self) -> None:
-        """What every microbatch cache holds as a pass starts: a stage's code before its own layers reads it, also
-        after another stage of this rank has run its layers in this pass (several stages per rank)."""
+    def begin_pass(self, blocks: Optional[range] = None) -> None:
+        """What every microbatch cache holds as a pass of ``blocks`` starts (their first one's cache layer is 0): a
+        stage's code before its own layers reads it, also after another stage of this rank has run its layers in this
+        pass (several stages per rank)."""
+        if blocks is not None:
+            self.offset, self.num_layers = blocks.start, len(blocks)
         for subs in self._subs.values():
             for sub in subs.values():
-                self._before[id(sub)] = [_ghost_layer(layer) for layer in sub.layers]
+                for part in _parts(sub):
+                    self._before[id(part)] = [_ghost_layer(layer) for layer in part.layers]
 
     def mirror(self) -> None:
         """After a pass: the entries of layers this rank does not run become ghosts of those it runs, in every
@@ -117,13 +138,13 @@ class PassCaches:
             if not subs:
                 continue
             for sub in subs.values():
-                _mirror_layers(sub.layers, sub.layers, rows=None)
+                for part in _parts(sub):
+                    _mirror_layers(part.layers, part.layers, rows=None)
             total = sum(stop - start for start, stop in subs)
-            user = self._users[key]
-            first = subs[min(subs)].layers
-            while len(user.layers) < len(first):
-                user.layers.append(copy.copy(first[len(user.layers)]))
-            _mirror_layers(user.layers, first, rows=total, everything=True)
+            for user, first in zip(_parts(self._users[key]), _parts(subs[min(subs)])):
+                while len(user.layers) < len(first.layers):
+                    user.layers.append(copy.copy(first.layers[len(user.layers)]))
+                _mirror_layers(user.layers, first.layers, rows=total, everything=True)
 
     def reorder(self, cache: Any, beam_idx: Tensor) -> None:
         """Beam search's reordering of ``cache``'s rows, done on the microbatches' caches: rows move between them."""
@@ -131,27 +152,25 @@ class PassCaches:
         ordered = sorted(subs)
         if not ordered:
             return
-        caches = [subs[rows] for rows in ordered]
         sizes = [stop - start for start, stop in ordered]
-        for index in range(len(caches[0].layers)):
-            layers = [c.layers[index] for c in caches]
-            if not _holds(layers[0]):
-                continue
-            for name, key, dim in _row_slots(layers[0]):
-                parts = [_slot(layer, name, key) for layer in layers]
-                if all(_placeholder(part, dim) for part in parts):  # nothing held yet (the layer's own reorder skips)
-                    continue
-                whole = torch.cat(parts, dim=dim)
-                whole = whole.index_select(dim, beam_idx.to(whole.device))
-                for layer, part in zip(layers, whole.split(sizes, dim=dim)):
-                    _set_slot(layer, name, key, part)
+        for caches in zip(*(_parts(subs[rows]) for rows in ordered)):  # self- and cross-attention: both
+            _reorder_rows(caches, sizes, beam_idx)
         self.mirror()
+
+    def ages(self, caches: list[Any]) -> tuple[int, ...]:
+        """How many passes of this step each of ``caches`` was given before this one, counting this one: the same on
+        every rank (a stage without the call's blocks never sees the cache's contents)."""
+        found = tuple(self._ages.get(id(cache), 0) for cache in caches)
+        for cache in caches:
+            self._ages[id(cache)] = self._ages.get(id(cache), 0) + 1
+        return found
 
     def release(self) -> None:
         """Drop every microbatch cache (the step ended) and undo the patches on the users' caches."""
         for cache, name in self._patched:
             vars(cache).pop(name, None)
         self._patched = []
+        self._ages.clear()
         self._subs.clear()
         self._users.clear()
         self._before.clear()
@@ -217,6 +236,30 @@ class BlockStates:
         self.attributes.end()
 
 
+def _reorder_rows(caches: tuple, sizes: list[int], beam_idx: Tensor) -> None:
+    """Reorder the rows of the microbatches' ``caches`` (in row order, ``sizes`` rows each) as one batch."""
+    for index in range(len(caches[0].layers)):
+        layers = [c.layers[index] for c in caches]
+        if not _holds(layers[0]):
+            continue
+        for name, key, dim in _row_slots(layers[0]):
+            parts = [_slot(layer, name, key) for layer in layers]
+            if all(_placeholder(part, dim) for part in parts):  # nothing held yet (the layer's own reorder skips)
+                continue
+            whole = torch.cat(parts, dim=dim)
+            whole = whole.index_select(dim, beam_idx.to(whole.device))
+            for layer, part in zip(layers, whole.split(sizes, dim=dim)):
+                _set_slot(layer, name, key, part)
+
+
+def _parts(cache: Any) -> list[Any]:
+    """The caches with layers that ``cache`` is: itself, or an encoder-decoder cache's self-attention and
+    cross-attention caches (Hugging Face's ``EncoderDecoderCache``; its ``is_updated`` flags stay its own)."""
+    if hasattr(cache, "self_attention_cache") and hasattr(cache, "cross_attention_cache"):
+        return [cache.self_attention_cache, cache.cross_attention_cache]
+    return [cache]
+
+
 def _new_buffers(blocks: list[nn.Module], known: dict[int, Any]) -> list[tuple[dict, str, Tensor]]:
     found = []
     for block in blocks:
@@ -230,10 +273,17 @@ def _new_buffers(blocks: list[nn.Module], known: dict[int, Any]) -> list[tuple[d
     return found
 
 
-def _pass_view(cache: Any, before: list[Any], window: Optional[range]) -> Any:
+def _pass_view(cache: Any, before: dict[int, list[Any]], window: Optional[range]) -> Any:
     """A microbatch cache as one stage run sees it during a pass: the layers of its ``window`` as they are (nothing
-    else changes them in the pass), and every other layer as the pass started, whose ``update`` goes to the cache's
-    own layer (every layer so, when the window is not known)."""
+    else changes them in the pass), and every other layer as the pass started (``before``, by ``id`` of the cache
+    that holds them), whose ``update`` goes to the cache's own layer (every layer so, when the window is not known).
+    An encoder-decoder cache's view holds views of its two caches and shares its ``is_updated`` flags."""
+    parts = _parts(cache)
+    if parts[0] is not cache:
+        view = copy.copy(cache)
+        view.self_attention_cache, view.cross_attention_cache = (_pass_view(p, before, window) for p in parts)
+        return view
+    before = before[id(cache)]
     view = copy.copy(cache)
     view.layers = []
     for index, (now, then) in enumerate(zip(cache.layers, before)):
@@ -258,15 +308,17 @@ def _refused(kind: str, name: str) -> Any:
     return refuse
 
 
-def _check_splittable(cache: Any) -> None:
+def _check_splittable(cache: Any, whole: Any) -> None:
+    """Refuse ``cache`` (``whole``, or one of its parts) unless its layers split by rows."""
     layers = getattr(cache, "layers", None)
     kinds = sorted({type(layer).__name__ for layer in layers or () if not _splittable(layer)})
     if layers is None or kinds or getattr(cache, "offloading", False):
         what = f"layers of kind {', '.join(kinds)}" if kinds else "no per-layer entries the pipeline can split"
         if getattr(cache, "offloading", False):
             what = "offloading"
+        kind = type(cache).__name__ if cache is whole else f"{type(whole).__name__} holding a {type(cache).__name__}"
         raise BackboneCallError(
-            f"A generation pass got a {type(cache).__name__} with {what}. `PipelineStrategy` splits a key-value cache"
+            f"A generation pass got a {kind} with {what}. `PipelineStrategy` splits a key-value cache"
             f" over microbatches and stages when its layers are {' or '.join(_SPLITTABLE)} or kinds of them (a"
             " `DynamicCache`, the default of `generate()`): pass `cache_implementation=\"dynamic\"` to `generate()`,"
             " or leave the cache to it."
@@ -314,7 +366,8 @@ def _placeholder(value: Tensor, dim: int) -> bool:
 def _filled(cache: Any) -> bool:
     return any(
         isinstance(_slot(layer, name, key), Ghost) or _slot(layer, name, key).numel() > 0
-        for layer in cache.layers
+        for part in _parts(cache)
+        for layer in part.layers
         for name, key, _ in _row_slots(layer)
     )
 
@@ -363,7 +416,13 @@ def _mirror_layers(target: list, source: list, rows: Optional[int], everything: 
 def _ghost_copy(cache: Any) -> Any:
     """A copy of ``cache`` whose layers hold ghosts: what a shape probe may change."""
     twin = copy.copy(cache)
-    twin.layers = [_ghost_layer(layer) for layer in cache.layers]
-    vars(twin).pop("reorder_cache", None)
+    parts = _parts(cache)
+    if parts[0] is not cache:
+        twin.self_attention_cache, twin.cross_attention_cache = (_ghost_copy(p) for p in parts)
+        twin.is_updated = dict(getattr(cache, "is_updated", {}))
+    else:
+        twin.layers = [_ghost_layer(layer) for layer in cache.layers]
+    for name in ("reorder_cache", *_REFUSED):
+        vars(twin).pop(name, None)
     return twin
 

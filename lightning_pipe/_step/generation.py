@@ -21,6 +21,9 @@ runs on every rank of the pipeline at once, as a whole, on the real batch:
   :mod:`lightning_pipe._step.caches`); ``get_seq_length`` answers the same on every stage.
 - **Logs and metrics** are computed on every rank from the same values, so every rank logs what one device logs.
 
+Calls that run only some of the backbone's containers (an encoder-decoder's encoder, then its decoder per token) are
+passes too: [Note: partial passes] in :mod:`lightning_pipe._step.partial`.
+
 A step is known to generate once its first batch called the backbone a second time: on the last stage that is the
 :class:`~lightning_pipe._model.calls.SecondPass` the single-pass evaluation meets; every rank learns it from the
 last stage, the random state is put back, and the batch runs again in lock step. A step whose first model call's
@@ -33,7 +36,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -46,7 +49,9 @@ from lightning_pipe import _watchdog
 from lightning_pipe._errors import BackboneCallError
 from lightning_pipe._ghost import Ghost, GhostValueError, contains_ghost
 from lightning_pipe._model.calls import rows_dim, slice_batch
+from lightning_pipe._model.flow import Flow
 from lightning_pipe._step.caches import BlockStates, PassCaches, is_cache
+from lightning_pipe._step.partial import PartialPasses
 
 #: Keyword arguments of a pass that are never split by rows, even when their length equals the batch size (a prompt
 #: of as many tokens as there are prompts): Hugging Face's and litgpt's positions of the new tokens.
@@ -96,12 +101,7 @@ class LockStep:
         self._in_pass = False
         prefixes = {".".join(p.split(".")[:i]) for p in backbone.paths for i in range(len(p.split(".")))}
         self._path_modules = [runtime.module.get_submodule(p) for p in sorted(prefixes, key=len)]
-        #: the path modules that hold only some of the backbone's containers (an encoder-decoder's encoder), by id
-        self._partial = {
-            id(runtime.module.get_submodule(p)): (p, [c for c in backbone.paths if c.startswith(p + ".")])
-            for p in prefixes
-            if p and not all(c.startswith(p + ".") for c in backbone.paths)
-        }
+        self.partial = PartialPasses(runtime, prefixes, self._path_modules)  # [Note: partial passes]
 
     def _window(self) -> Optional[range]:
         """The blocks the stage run in progress runs (a microbatch's cache gives it their cache layers as they are)."""
@@ -171,6 +171,9 @@ class LockStep:
         for module in self._path_modules:
             saved.append((module, vars(module).get("forward")))
             module.forward = self._intercepting(module, module.forward)  # type: ignore[method-assign]
+        for path, module, stages in self.partial.outside.values():
+            saved.append((module, vars(module).get("forward")))
+            module.forward = self._run_where_held(path, module.forward, stages)  # type: ignore[method-assign]
         guard = self.runtime.cut.backbone.module(0).register_forward_pre_hook(self._outside_a_pass)
         try:
             yield
@@ -198,7 +201,6 @@ class LockStep:
         def intercepted(*args: Any, **kwargs: Any) -> Any:
             if self._in_pass or self.runtime.program.current is not None:
                 return forward(*args, **kwargs)  # inside a pass: the stage's own run
-            self._refuse_partial(module)
             self._in_pass = True
             self.passes += 1
             try:
@@ -208,80 +210,110 @@ class LockStep:
 
         return intercepted
 
-    def _refuse_partial(self, module: nn.Module) -> None:
-        """A call of a module that holds only some of the backbone's containers (``generate()`` of an
-        encoder-decoder model runs the encoder once, then the decoder per token) would run a pass of some stages
-        only: refused, on every rank alike (each runs the same loop), before anything is sent."""
-        partial = self._partial.get(id(module))
-        if partial is None:
-            return
-        path, held = partial
-        others = [c for c in self.runtime.cut.backbone.paths if c not in held]
-        raise BackboneCallError(
-            f"A step that generates called `{path}` on its own, which runs the backbone blocks of"
-            f" {', '.join(f'`{c}`' for c in held)} but not those of {', '.join(f'`{c}`' for c in others)}"
-            " (`generate()` of an encoder-decoder model runs the encoder once, then the decoder per token). Under"
-            " `PipelineStrategy` every model call of a decoding loop runs the whole pipeline, each block once."
-            " Generate with this model without `PipelineStrategy` (its loss, teacher-forced, evaluates under it),"
-            " or decode with a loop that calls the whole model per token (`self.model(input_ids=...,"
-            " attention_mask=..., decoder_input_ids=..., use_cache=False)`)."
-        )
+    def _run_where_held(self, path: str, forward: Callable[..., Any], stages: frozenset[int]) -> Callable[..., Any]:
+        """A call of an encoder outside the backbone (:func:`~lightning_pipe._step.partial.outside_encoders`): run on
+        the first stage that holds all of its parameters, its result sent to every rank of the pipeline."""
+
+        @functools.wraps(forward)
+        def intercepted(*args: Any, **kwargs: Any) -> Any:
+            if self._in_pass or self.runtime.program.current is not None:
+                return forward(*args, **kwargs)
+            if not stages:
+                raise BackboneCallError(
+                    f"A decoding step called `{path}` (the model's encoder, outside the pipelined backbone) on its"
+                    " own, but its parameters are split over several stages. Pipeline its layers too (`backbone=`"
+                    " the encoder's and the decoder's containers, in the order they run)."
+                )
+            self.partial.outside_called = True
+            stage = min(stages)
+            answer: Any = None
+            failed = None
+            if self.runtime.pipeline.pipeline_rank == self.runtime.layout.stage_rank(stage):
+                try:
+                    answer = forward(*args, **kwargs)
+                except Exception as err:  # every rank raises it, instead of waiting for the answer
+                    failed, answer = err, _Failed(f"{type(err).__name__}: {err}")
+            result = self._share(answer, (args, kwargs), stage)
+            if failed is not None:
+                raise failed
+            return result
+
+        return intercepted
 
     def _pass(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
-        """One call of ``module`` through the pipeline; returns the last stage's result on every rank."""
+        """One call of ``module`` through the pipeline; returns the answer stage's result on every rank."""
         runtime = self.runtime
         program, pipeline = runtime.program, runtime.pipeline
         call = functools.partial(_call, module)
         _check_caches(args, kwargs)
         _check_no_ghosts(module, args, kwargs)
-        batch_size = program.batch_size_of(call, (args, kwargs))
+        first, shape = program.first_call_of(call, (args, kwargs))
+        batch_size = program.rows_of(shape, (args, kwargs))
         num_microbatches = runtime.microbatches.for_batch(batch_size)
-        self.caches.begin_pass()
-        self.states.begin(batch_size)
         inputs = _PassInputs(module, args, kwargs, batch_size, self.caches, states=self.states)
-        try:
-            with program.holding(call, inputs, batch_size):
-                sample = program.sub_batch(torch.arange(batch_size // num_microbatches))
-                output = pipeline.eval_step(sample, batch_size, num_microbatches, rows_dim=program.rows_dim)
-        finally:
-            self.states.end()
+        for value in (*args, *kwargs.values()):
+            if is_cache(value):  # on every rank, also where no stage runs this call's blocks
+                self.caches.adopt(value)
+        flow = self.partial.flow_of(module, call, first, inputs)
+        blocks = flow.blocks if flow is not None else range(len(runtime.cut.backbone))
+        last = runtime.layout.num_stages - 1
+        answer_stage = last if flow is None else flow.answer_stage % (last + 1)
+        answering = pipeline.pipeline_rank == runtime.layout.stage_rank(answer_stage)
+        self.caches.begin_pass(blocks)
+        self.states.begin(batch_size)
         answer: Any = None
         failed = None
-        if pipeline.has_last_stage:
+        with program.passing(flow) if flow is not None else nullcontext():
             try:
-                answer = program.run_answering(output, call, (args, kwargs))
-            except Exception as err:  # every rank raises it, instead of waiting for the answer
-                failed = err
-                answer = _Failed(f"{type(err).__name__}: {err}")
-        result = self._share(answer, (args, kwargs))
+                with program.holding(call, inputs, batch_size):
+                    sample = program.sub_batch(torch.arange(batch_size // num_microbatches))
+                    output = pipeline.eval_step(sample, batch_size, num_microbatches, rows_dim=program.rows_dim,
+                                                kind=_kind(flow, inputs))
+            finally:
+                self.states.end()
+            if answering:
+                try:
+                    if answer_stage != last:
+                        output = program.kept_answers(batch_size)
+                    answer = program.run_answering(output, call, (args, kwargs))
+                except Exception as err:  # every rank raises it, instead of waiting for the answer
+                    failed = err
+                    answer = _Failed(f"{type(err).__name__}: {err}")
+        result = self._share(answer, (args, kwargs), answer_stage)
         if failed is not None:
             raise failed
         self.caches.mirror()
         return result
 
-    def _share(self, answer: Any, inputs: Any) -> Any:
-        """The last stage's ``answer`` on every rank of the pipeline: its tensors broadcast, the objects it passed
-        through from the call's inputs (a cache) taken from this rank's own inputs."""
+    def _share(self, answer: Any, inputs: Any, stage: int) -> Any:
+        """The ``answer`` of ``stage`` (the last, or the answer stage of a partial pass) on every rank of the
+        pipeline: its tensors broadcast, the objects it passed through from the call's inputs (a cache) taken from
+        this rank's own inputs."""
         runtime = self.runtime
-        group, src, device = runtime.pipeline.group, runtime.pipeline.last_stage_rank, runtime.device
+        group, src, device = runtime.pipeline.group, runtime.layout.stage_rank(stage), runtime.device
+        mine = runtime.pipeline.pipeline_rank == src
         input_leaves = tree_leaves(inputs)
         header: list[Any] = [None]
         tensors: list[Tensor] = []
-        if runtime.pipeline.has_last_stage:
+        if mine:
             header[0], tensors = _describe(answer, input_leaves)
         if runtime.layout.pipeline_size == 1:
             return None if isinstance(answer, _Failed) else _rebuild(*header[0], tensors, input_leaves, device)
-        what = f"the model's output from the last stage (pipeline rank {src}), in a decoding step"
+        what = f"the model's output from stage {stage} (pipeline rank {src}), in a decoding step"
         with _watchdog.waiting(lambda: what):
             dist.broadcast_object_list(header, group_src=src, group=group)
             spec, kinds = header[0]
-            if isinstance(spec, _Failed):  # the last stage raises its own error, the others this one
-                return None if runtime.pipeline.has_last_stage else _rebuild(spec, kinds, [], input_leaves, device)
+            if isinstance(spec, _Failed):  # the answering stage raises its own error, the others this one
+                if not mine and stage != runtime.layout.num_stages - 1:
+                    raise BackboneCallError(
+                        f"Pipeline stage {stage} (pipeline rank {src}) failed in a generation pass: {spec.message}"
+                    )
+                return None if mine else _rebuild(spec, kinds, [], input_leaves, device)
             received = []
             for kind in kinds:
                 if kind[0] != "tensor":
                     continue
-                if runtime.pipeline.has_last_stage:
+                if mine:
                     buffer = tensors[len(received)]
                 else:
                     buffer = torch.empty(kind[1], dtype=kind[2], device=device)
@@ -354,6 +386,19 @@ def _rows_not_first(name: Any, value: Any, batch_size: int) -> bool:
         return False
     dims, dim = _ROWS_DIM[name]
     return value.dim() == dims and value.shape[dim] == batch_size
+
+
+def _kind(flow: Optional[Flow], inputs: _PassInputs) -> Optional[tuple]:
+    """What the stage shapes of a partial pass depend on besides its inputs' shapes ([Note: partial passes]): its
+    blocks, and, when its stages carry more than the hidden state, how many passes its caches have seen (T5's decoder
+    carries its position bias, as wide as the cache plus the new tokens, in every decoding step's same-shaped call;
+    the cache's length is not known on the stages without the decoder's blocks)."""
+    ages = inputs.caches.ages([v for v in (*inputs.args, *inputs.kwargs.values()) if is_cache(v)])
+    if flow is None:
+        return None
+    assert flow.blocks is not None
+    kind: tuple = (flow.blocks.start, flow.blocks.stop)
+    return kind + ages if flow.carries_more_than_hidden() else kind
 
 
 def _positional_names(module: nn.Module, count: int) -> list[Optional[str]]:

@@ -234,11 +234,13 @@ class StagePipeline:
             self._loss_fn = None
 
     def eval_step(
-        self, sample: Any, batch_size: int, num_microbatches: int, rows_dim: int = 0
+        self, sample: Any, batch_size: int, num_microbatches: int, *, rows_dim: int = 0, kind: Optional[tuple] = None
     ) -> Optional[torch.Tensor]:
         """Forward-only pass of one batch. Returns the merged last-stage output on the last stage, else ``None``.
-        ``rows_dim``: the hidden state's dimension of rows ([Note: sequence-first hidden states])."""
-        key = self._key_for(sample, batch_size, num_microbatches, training=False)
+        ``rows_dim``: the hidden state's dimension of rows ([Note: sequence-first hidden states]); ``kind``: what else
+        the stages' shapes depend on (a call that runs only some blocks sends other values: [Note: partial passes]),
+        a schedule of its own."""
+        key = self._key_for(sample, batch_size, num_microbatches, training=False, kind=kind)
         schedule = self._schedule_for(key)
         rows = torch.arange(batch_size, device=self.device)
         with self._dropped_if_it_fails(schedule), _watchdog.waiting(lambda: self._transfers("evaluation")):
@@ -297,16 +299,18 @@ class StagePipeline:
         return self._loss_fn(output, target)
 
     # ------------------------------------------------------------------ building
-    def _key_for(self, sample: Any, batch_size: int, num_microbatches: int, training: bool) -> tuple:
+    def _key_for(
+        self, sample: Any, batch_size: int, num_microbatches: int, training: bool, kind: Optional[tuple] = None
+    ) -> tuple:
         rows = batch_size // num_microbatches
         shapes = tuple((tuple(t.shape), t.dtype) for t in tree_leaves(sample) if isinstance(t, torch.Tensor))
-        return rows, shapes, num_microbatches, training, torch.is_autocast_enabled(self.device.type)
+        return rows, shapes, num_microbatches, training, torch.is_autocast_enabled(self.device.type), kind
 
     def _schedule_for(self, key: tuple) -> Any:
         """The schedule kept for ``key`` (:meth:`_key_for`), built when it is not."""
         schedule = self._schedules.get(key)
         if schedule is None:
-            rows, _, num_microbatches, training, _ = key
+            rows, _, num_microbatches, training, *_ = key
             schedule = self._build(key, rows, num_microbatches, training)
         return schedule
 

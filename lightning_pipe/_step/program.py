@@ -36,7 +36,7 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
 from lightning_pipe._errors import BackboneCallError, stop_iteration_fails
-from lightning_pipe._ghost import Ghost, contains_ghost, ghost_of
+from lightning_pipe._ghost import Ghost, GhostValueError, contains_ghost, ghost_of
 from lightning_pipe._model.backbone import Backbone
 from lightning_pipe._model.calls import (
     BlockCalls,
@@ -50,6 +50,7 @@ from lightning_pipe._model.calls import (
     slice_batch,
 )
 from lightning_pipe._model.flow import Flow, Producer
+from lightning_pipe._model.structure import everything_ghosted
 
 
 class StepProgram(BlockRunners):
@@ -90,6 +91,10 @@ class StepProgram(BlockRunners):
         #: ``"ghost"`` or ``"real"`` while a stage runs to learn its shapes (``PipelineRuntime._probe``), on ghosts
         #: or for real: state the step carries between calls (a generation pass's caches) must not change
         self.probing_shapes: Optional[str] = None
+        self.whole_flow = flow
+        #: ``(first row, outputs)`` of each microbatch of the answer stage of a partial pass that is not the last
+        #: ([Note: partial passes])
+        self.answers_kept: list[tuple[int, tuple[Tensor, ...]]] = []
 
     # ------------------------------------------------------------------------------------------------ the batch
     @contextmanager
@@ -105,6 +110,32 @@ class StepProgram(BlockRunners):
         finally:
             self.step, self.batch, self.batch_size = None, None, 0
             self.step_args, self.step_kwargs = (), {}
+
+    @contextmanager
+    def passing(self, flow: Flow) -> Iterator[None]:
+        """Within the block, the step is a call that runs only ``flow.blocks`` ([Note: partial passes])."""
+        self.flow, self.answers_kept = flow, []
+        try:
+            yield
+        finally:
+            self.flow, self.answers_kept = self.whole_flow, []
+
+    def offsets(self) -> dict[str, int]:
+        blocks = self.flow.blocks
+        return self.structure.calls_before(blocks.start) if blocks is not None else {}
+
+    def census(self, step: Callable[..., Any], first: int, *args: Any, **kwargs: Any) -> tuple[list[int], set]:
+        """A call that starts at block ``first``, run on ghosts with every block skipped: the blocks it calls and
+        the ``("module", path, call)`` of each producer module call it makes ([Note: partial passes])."""
+        run = _Census(self, first, self.structure.calls_before(first))
+        with torch.no_grad(), everything_ghosted(self.module, self.device), self.running(run):
+            try:
+                call_muted(self.module, step, args, kwargs)
+            except (GhostValueError, RuntimeError, TypeError, ValueError, IndexError, NotImplementedError) as err:
+                if not run.called or isinstance(err, BackboneCallError):
+                    raise
+                # after the blocks the census is best effort (code that reads values: the answer runs it for real)
+        return run.called, run.produced
 
     @contextmanager
     def shape_probe(self, kind: str) -> Iterator[None]:
@@ -131,21 +162,55 @@ class StepProgram(BlockRunners):
         ``probing``: the run is on ghosts, to learn shapes (block arguments may then be ghosts too)."""
         assert self.step is not None
         first, stop = self.stage_bounds[stage]
-        given = dict(zip(self.flow.receives(stage), received))
-        run = _Window(self, first, stop, given, self.flow.sends[stage], probing=probing, stage=stage)
-        with self.running(run, swaps=stage):
+        flow, blocks = self.flow, self.flow.blocks
+        given = dict(zip(flow.receives(stage), received))
+        swaps: Any = stage
+        if blocks is not None:  # a call of only some blocks ([Note: partial passes])
+            answer_stage = flow.answer_stage % len(flow.sends)
+            if stage > answer_stage or stop <= blocks.start:  # no block of the call: passes on what it was given
+                return tuple(received) or (rows.clone(),)
+            if first <= blocks.start:
+                swaps = None  # the window starts with the call's code before its first block
+            first, stop = max(first, blocks.start), min(stop, blocks.stop)
+        run = _Window(self, first, stop, given, flow.sends[stage], probing=probing, stage=stage)
+        if blocks is not None:
+            run.calls(blocks, self.offsets())
+        with self.running(run, swaps=swaps):
             try:
                 call_muted(self.module, self.step, (self.sub_batch(rows), *self.step_args), self.step_kwargs)
             except Stop as stop_run:
-                return stop_run.value
+                return self._kept_if_answering(stage, rows, stop_run.value, probing)
         raise never_called(run)
+
+    def _kept_if_answering(self, stage: int, rows: Tensor, outputs: tuple, probing: bool) -> tuple[Tensor, ...]:
+        """What a stage sends on: its outputs, or, on the answer stage of a partial pass that is not the last, the
+        row numbers, its outputs being kept for the answer it computes after the pass."""
+        flow = self.flow
+        if flow.blocks is None or stage == len(flow.sends) - 1 or stage != flow.answer_stage % len(flow.sends):
+            return outputs or (rows.clone(),)  # a boundary a partial pass does not cross: the rows, for torch
+        if not probing and self.probing_shapes is None:
+            self.answers_kept.append((int(rows[0]), outputs))
+        return (rows.clone(),)
+
+    def kept_answers(self, batch_size: int) -> tuple[Tensor, ...]:
+        """The answer stage's outputs of every microbatch of the partial pass, merged (as the schedule merges the
+        last stage's: along dimension 0, a value without the rows taken once)."""
+        parts = [outputs for _, outputs in sorted(self.answers_kept, key=lambda item: item[0])]
+        rows = batch_size // len(parts)
+        return tuple(
+            torch.cat(values) if values[0].dim() > 0 and values[0].shape[0] == rows else values[0]
+            for values in zip(*parts)
+        )
 
     def run_answering(self, output: Any, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """The whole step, with the values the code after the backbone reads taken from ``output`` (the last stage's
         output: a tensor, or a tuple of them); returns what the step returns."""
         outputs = output if isinstance(output, tuple) else (output,)
-        n = len(self.backbone)
+        blocks = self.flow.blocks
+        n = len(self.backbone) if blocks is None else blocks.stop
         run = _Window(self, n, n, dict(zip(self.flow.answers, outputs)), (), probing=False, stage=None)
+        if blocks is not None:
+            run.calls(blocks, self.offsets())
         with self.running(run, swaps="answer"), stop_iteration_fails():
             result = step(*args, **kwargs)
         if not run.after_backbone:
@@ -186,6 +251,8 @@ class _Window(BlockCalls):
             program.replay_inner(index, args, kwargs, self.given, self.on_inner_value)
             if index == self.first - 1 and self.restore_prefix is not None:
                 self.restore_prefix()  # the window starts: this run's code reads the real tensors from here
+            if index == self.stop - 1 and self.stage is not None:  # the answer stage of a partial pass, no block
+                raise Stop(self._outputs())  # of the call its own: what the code after the call's blocks reads
             return out
         if index == self.first and self.probing and not isinstance(hidden, Ghost):
             args, kwargs = replace_hidden(args, kwargs, at, ghost_of(hidden))  # no real data reaches a block
@@ -245,6 +312,24 @@ class _Window(BlockCalls):
                 )
             sent.append(_HandOver.apply(value, anchor) if value.requires_grad else value.contiguous())
         return tuple(sent)
+
+
+class _Census(BlockCalls):
+    """See :meth:`StepProgram.census`."""
+
+    def __init__(self, program: StepProgram, first: int, offsets: dict[str, int]) -> None:
+        super().__init__(program)
+        self.calls(range(first, len(program.backbone)), offsets)
+        self.called: list[int] = []
+        self.produced: set[tuple[str, Any, int]] = set()
+
+    def on_block(self, index: int, block: nn.Module, args: tuple, kwargs: dict, at: HiddenAt, hidden: Any) -> Any:
+        self.called.append(index)
+        return self.program.skipped_output(index, args, kwargs, hidden, {})
+
+    def on_module_output(self, path: str, call: int, output: Any) -> Any:
+        self.produced.add(("module", path, call))
+        return None
 
 
 class _HandOver(torch.autograd.Function):

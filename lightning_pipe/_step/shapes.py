@@ -148,8 +148,8 @@ class ScheduleCache:
 
 def shape_of(key: tuple) -> tuple:
     """What a schedule key's stage shapes depend on: all of it but the microbatch count."""
-    rows, shapes, _, training, autocast = key
-    return rows, shapes, training, autocast
+    rows, shapes, _, *mode = key  # training, autocast, the blocks of a partial pass
+    return rows, shapes, *mode
 
 
 def size_map(old: tuple, new: tuple) -> Optional[dict[int, int]]:
@@ -170,7 +170,7 @@ def resized(meta: Meta, sizes: dict[int, int]) -> Meta:
 
 def describe_key(key: tuple) -> str:
     """A schedule key in words, for the log."""
-    rows, shapes, num_microbatches, training, autocast = key
+    rows, shapes, num_microbatches, training, autocast, *_ = key
     mode = "training" if training else "evaluation"
     return f"{mode} with {num_microbatches} microbatches of {rows} rows, inputs {[list(s) for s, _ in shapes]}" + (
         " under autocast" if autocast else ""
