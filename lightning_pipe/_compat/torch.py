@@ -178,10 +178,20 @@ def job_store() -> Optional[Any]:
 
 
 class Swaps:
-    """Wrappers over attributes of torch's pipelining objects (a stage's ``forward_one_chunk``, a schedule's
-    ``_maybe_compute_loss``, the schedules module's ``_batch_p2p``), all put back on exit, also on error, in the
-    reverse order: the timeline's recorder traces a step through them (torch has no hook on a stage's actions or its
-    transfers). An attribute the installed torch lacks is left alone (the recorder then records less)."""
+    """Instance attributes put over what objects the package does not own answer, all put back on exit, also on
+    error, in the reverse order: every patch of the package goes through here.
+
+    - the timeline's recorder wraps torch's pipelining objects (a stage's ``forward_one_chunk``, a schedule's
+      ``_maybe_compute_loss``, the schedules module's ``_batch_p2p``): torch has no hook on a stage's actions or its
+      transfers;
+    - a generating step routes the calls of the user's model (``module.forward``) through the pipeline
+      ([Note: lock step]): Python has no other way to see a call of a module that is not a block;
+    - a generation pass's key-value caches answer beam search's ``reorder_cache`` on the microbatches' caches and
+      refuse what cannot be split ([Note: caches per microbatch]): Hugging Face's ``Cache`` has no hook for either.
+
+    :meth:`wrap` wraps what the attribute is now (left alone where the object lacks it: the recorder then records
+    less); :meth:`put` sets a value whether or not there was one.
+    """
 
     def __init__(self) -> None:
         self._restore: list[tuple[Any, str, bool, Any]] = []  # (owner, name, had an own attribute, that attribute)
@@ -190,9 +200,16 @@ class Swaps:
         original = getattr(owner, name, None)
         if original is None:
             return
+        self.put(owner, name, wrapper_factory(original))
+
+    def put(self, owner: Any, name: str, value: object) -> None:
         had = name in vars(owner)  # an instance (or module) attribute already: put that back afterwards
         self._restore.append((owner, name, had, vars(owner).get(name)))
-        setattr(owner, name, wrapper_factory(original))
+        vars(owner)[name] = value  # past a class's own __setattr__
+
+    def names_on(self, owner: object) -> list[str]:
+        """The attributes put on ``owner`` (a copy of it carries them too)."""
+        return [name for o, name, _, _ in self._restore if o is owner]
 
     def __enter__(self) -> "Swaps":
         return self
@@ -200,9 +217,9 @@ class Swaps:
     def __exit__(self, *exc: object) -> None:
         for owner, name, had, previous in reversed(self._restore):
             if had:
-                setattr(owner, name, previous)
+                vars(owner)[name] = previous
             else:
-                delattr(owner, name)
+                vars(owner).pop(name, None)
         self._restore.clear()
 
 

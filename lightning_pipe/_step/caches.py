@@ -38,6 +38,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor, nn
 
+from lightning_pipe._compat.torch import Swaps
 from lightning_pipe._errors import BackboneCallError
 from lightning_pipe._ghost import Ghost, ghost_of
 from lightning_pipe._step.attribute_states import AttributeStates
@@ -70,7 +71,7 @@ class PassCaches:
         self._before: dict[int, list[Any]] = {}  # id(microbatch cache) -> its entries as the pass started
         self._subs: dict[int, dict[tuple[int, int], Any]] = {}  # id(user's cache) -> rows -> that microbatch's cache
         self._users: dict[int, Any] = {}  # id -> the user's cache (kept alive while its microbatch caches are)
-        self._patched: list[tuple[Any, str]] = []
+        self._patches = Swaps()  # on the users' caches, for the step ([Note: caches per microbatch])
         self._ages: dict[int, int] = {}  # id(user's cache) -> the passes of this step it was given so far
 
     def for_rows(self, cache: Any, start: int, stop: int, probing: Optional[str]) -> Any:
@@ -116,7 +117,7 @@ class PassCaches:
 
     def _throwaway(self, cache: Any) -> Any:
         twin = copy.deepcopy(cache)
-        for _, name in self._patched:
+        for name in self._patches.names_on(cache):
             vars(twin).pop(name, None)
         return twin
 
@@ -167,9 +168,7 @@ class PassCaches:
 
     def release(self) -> None:
         """Drop every microbatch cache (the step ended) and undo the patches on the users' caches."""
-        for cache, name in self._patched:
-            vars(cache).pop(name, None)
-        self._patched = []
+        self._patches.__exit__(None, None, None)
         self._ages.clear()
         self._subs.clear()
         self._users.clear()
@@ -182,12 +181,10 @@ class PassCaches:
 
     def _patch(self, cache: Any) -> None:
         """The user's cache answers the loop's reorder on the microbatches' caches and refuses what cannot split."""
-        vars(cache)["reorder_cache"] = lambda beam_idx: self.reorder(cache, beam_idx)
-        self._patched.append((cache, "reorder_cache"))
+        self._patches.put(cache, "reorder_cache", lambda beam_idx: self.reorder(cache, beam_idx))
         for name in _REFUSED:
             if callable(getattr(cache, name, None)):
-                vars(cache)[name] = _refused(type(cache).__name__, name)
-                self._patched.append((cache, name))
+                self._patches.put(cache, name, _refused(type(cache).__name__, name))
 
 
 class BlockStates:

@@ -46,6 +46,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from lightning_pipe import _watchdog
+from lightning_pipe._compat.torch import Swaps
 from lightning_pipe._errors import BackboneCallError
 from lightning_pipe._ghost import Ghost, GhostValueError, contains_ghost
 from lightning_pipe._model.calls import rows_dim, slice_batch
@@ -167,23 +168,16 @@ class LockStep:
     @contextmanager
     def _path_calls_intercepted(self) -> Iterator[None]:
         """Route the calls of the path modules through :meth:`_pass` while the step runs."""
-        saved = []
-        for module in self._path_modules:
-            saved.append((module, vars(module).get("forward")))
-            module.forward = self._intercepting(module, module.forward)  # type: ignore[method-assign]
-        for path, module, stages in self.partial.outside.values():
-            saved.append((module, vars(module).get("forward")))
-            module.forward = self._run_where_held(path, module.forward, stages)  # type: ignore[method-assign]
-        guard = self.runtime.cut.backbone.module(0).register_forward_pre_hook(self._outside_a_pass)
-        try:
-            yield
-        finally:
-            guard.remove()
-            for module, own in reversed(saved):
-                if own is None:
-                    del module.forward
-                else:
-                    module.forward = own  # type: ignore[method-assign]
+        with Swaps() as swaps:
+            for module in self._path_modules:
+                swaps.wrap(module, "forward", functools.partial(self._intercepting, module))
+            for path, module, stages in self.partial.outside.values():
+                swaps.wrap(module, "forward", lambda forward, p=path, s=stages: self._run_where_held(p, forward, s))
+            guard = self.runtime.cut.backbone.module(0).register_forward_pre_hook(self._outside_a_pass)
+            try:
+                yield
+            finally:
+                guard.remove()
 
     def _outside_a_pass(self, block: nn.Module, args: Any) -> None:
         if not self._in_pass:
