@@ -47,7 +47,7 @@ def record_failure(exception: BaseException, rank: int) -> Optional[float]:
     text = "".join(traceback.format_exception_only(type(exception), exception)).strip()
     try:
         store.set(f"{FAILED_KEY}{rank}", json.dumps({"time": when, "error": text[-2000:]}))
-    except Exception:
+    except Exception:  # the store's server went with a failed rank 0: nothing to tell
         return None
     return when
 
@@ -59,7 +59,7 @@ def forget_failure(rank: int) -> None:
     if store is not None:
         try:
             store.delete_key(f"{FAILED_KEY}{rank}")
-        except Exception:
+        except Exception:  # a store without deletion: a stale error is named only if it is older than the failure
             pass
 
 
@@ -85,7 +85,7 @@ def name_first_failure(exception: BaseException, rank: int, world_size: int) -> 
                     record = json.loads(store.get(key))
                     if record["time"] <= since and (first is None or record["time"] < first[0]):
                         first = (record["time"], int(key.rsplit("/", 1)[1]), record["error"])
-        except Exception:
+        except Exception:  # the store went with the rank that served it: the error stays as it is
             return
         if first is not None or time.monotonic() >= deadline:
             break
