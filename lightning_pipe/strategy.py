@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Generator, Mapping
-from contextlib import ExitStack, contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
@@ -32,22 +32,16 @@ from typing_extensions import override
 
 from lightning_pipe import _watchdog
 from lightning_pipe._after_call import ModuleAfterCall
-from lightning_pipe._compat.torch import ghost_safe_init
+from lightning_pipe._compat.torch import Swaps, ghost_safe_init
 from lightning_pipe._lightning import callbacks as _callbacks
 from lightning_pipe._lightning import data
+from lightning_pipe._lightning import processes as _processes
 from lightning_pipe._lightning.collectives import WatchedCollectives
 from lightning_pipe._lightning.options import DataParallel as _DataParallel
 from lightning_pipe._lightning.options import Size as _Size
 from lightning_pipe._lightning.options import option_arguments, validated_options
 from lightning_pipe._lightning.parallel_dims import ParallelDims
 from lightning_pipe._lightning.precision import pipeline_precision
-from lightning_pipe._lightning.processes import (
-    end_launched_processes,
-    forget_failure,
-    launched_processes,
-    name_first_failure,
-    start_process_group,
-)
 from lightning_pipe._model.configure_model import ConfigureModelCalls, recording
 from lightning_pipe._model.cut import drop_ghosts
 from lightning_pipe._model.tensor_parallel import TensorParallelPlan
@@ -172,15 +166,12 @@ class PipelineStrategy(ModuleAfterCall, WatchedCollectives, ParallelStrategy):
         compile: Union[bool, dict] = False,
     ) -> None:
         super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
+            accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io, precision_plugin=precision_plugin,
         )
         self._options = validated_options(**option_arguments(locals()))  # the arguments it checks, by name
         self._keep_split = self._options.keep_split
-        self._hooks_context: Optional[ExitStack] = None  # from setup to teardown
+        self._hook_patches = Swaps()  # from setup to teardown
         self._configured = ConfigureModelCalls()  # what `configure_model` asked for ([Note: configure_model's calls])
         self._process_group_backend = process_group_backend
         self._timeout = timeout
@@ -315,11 +306,11 @@ class PipelineStrategy(ModuleAfterCall, WatchedCollectives, ParallelStrategy):
             self._dims.build(self.root_device.type, self._process_group_backend, self._timeout)
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self.device_mesh  # what `LightningModule.device_mesh` returns
-        _watchdog.start(self.global_rank, lambda: launched_processes(self.launcher), self._options.stall_timeout)
+        _processes.start_watchdog(self.global_rank, self.launcher, self._options.stall_timeout)
 
     def _setup_distributed(self) -> None:
         self.set_world_ranks()
-        self._process_group_backend = start_process_group(
+        self._process_group_backend = _processes.start_process_group(
             self.cluster_environment, self._process_group_backend, self._timeout, self.root_device
         )
 
@@ -338,7 +329,7 @@ class PipelineStrategy(ModuleAfterCall, WatchedCollectives, ParallelStrategy):
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         self._release_split_guard()
-        forget_failure(self.global_rank)  # [Note: the first failure, named]
+        _processes.forget_failure(self.global_rank)  # [Note: the first failure, named]
         args = SetupArgs(
             self._options, self.dims, self._configured, self.precision_plugin, self.root_device,
             batch_to_device=self.batch_to_device, tie_groups=self._tie_groups, timeout=self._timeout,
@@ -347,9 +338,7 @@ class PipelineStrategy(ModuleAfterCall, WatchedCollectives, ParallelStrategy):
         self._runtime, own_sampling = build_pipeline(self.lightning_module, trainer, args)
         self._own_sampling = self._own_sampling or own_sampling
         self.model = self.lightning_module
-        if self._hooks_context is None:  # the user's hooks may initialise ghosts (`init_weights`), until teardown
-            self._hooks_context = ExitStack()
-            self._hooks_context.enter_context(ghost_safe_init())
+        ghost_safe_init(self._hook_patches)  # the user's hooks may initialise ghosts (`init_weights`), until teardown
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:  # as in Lightning's `ModelParallelStrategy`
             self.setup_optimizers(trainer)
@@ -453,8 +442,7 @@ class PipelineStrategy(ModuleAfterCall, WatchedCollectives, ParallelStrategy):
         checkpoint = dict(checkpoint)
         local_states = _callbacks.local_states(checkpoint)
         _callbacks.merge_finetuning_metadata(checkpoint, all_gather)
-        stored_layout = _files.layout_record(cut.layout, self.data_parallel_size, cut.backbone.paths, cut.stored_choice)
-        stored_layout["huggingface"] = _hf.config_record(self.lightning_module)  # for `consolidate --format hf`
+        stored_layout = _hf.stored_layout(cut, self.data_parallel_size, self.lightning_module)
         _dcp.save(checkpoint, self.broadcast(filepath), module=self.lightning_module, optimizers=self.optimizers,
                   names=cut.names, layout=stored_layout, is_global_zero=self.is_global_zero, local_states=local_states)
 
@@ -488,8 +476,7 @@ class PipelineStrategy(ModuleAfterCall, WatchedCollectives, ParallelStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         self._failed = True
-        name_first_failure(exception, self.global_rank, self.world_size)  # [Note: the first failure, named]
-        end_launched_processes(self.launcher, exception, self.global_rank)
+        _processes.fail(exception, self.launcher, self.global_rank, self.world_size)
 
     @override
     def teardown(self) -> None:
@@ -500,9 +487,7 @@ class PipelineStrategy(ModuleAfterCall, WatchedCollectives, ParallelStrategy):
             self._leave_module(self._runtime.cut, failed=self._failed)
         self._failed = False
         _watchdog.stop()
-        if self._hooks_context is not None:
-            self._hooks_context.close()
-            self._hooks_context = None
+        self._hook_patches.close()
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()

@@ -215,6 +215,10 @@ class Swaps:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Put back everything, last first; the object may be used again."""
         for owner, name, had, previous in reversed(self._restore):
             if had:
                 vars(owner)[name] = previous
@@ -489,31 +493,27 @@ def checkpoint_wrappers(module: torch.nn.Module) -> list[tuple[torch.nn.Module, 
     return found
 
 
-@contextmanager
-def ghost_safe_init() -> Iterator[None]:
-    """Within the block, ``torch.nn.init.trunc_normal_`` leaves a ghost (a parameter another stage holds) as it is.
+def ghost_safe_init(swaps: Swaps) -> None:
+    """Until ``swaps`` closes, ``torch.nn.init.trunc_normal_`` leaves a ghost (a parameter another stage holds) as it
+    is; put once however often this is called.
 
     A model's own ``init_weights`` runs over the whole model on every rank (Lightning's tensor-parallel example calls
     it in ``on_train_start``). In-place initialisers on ghosts do nothing already (a ghost computes on the meta
     device), but torch 2.13's ``trunc_normal_`` redraws by rejection, reading ``mask.any()``, a value a ghost does
-    not have. ``trunc_normal_`` has no ``__torch_function__`` override point, so the module attribute is swapped for
-    the block (user code calls it as ``nn.init.trunc_normal_``); every other tensor goes to torch's own."""
+    not have. ``trunc_normal_`` has no ``__torch_function__`` override point, so the module attribute is swapped
+    (user code calls it as ``nn.init.trunc_normal_``); every other tensor goes to torch's own."""
     from torch.nn import init
 
     from lightning_pipe._ghost import Ghost
 
-    original = init.trunc_normal_
+    def leaving_ghosts(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        def trunc_normal_(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+            return tensor if isinstance(tensor, Ghost) else original(tensor, *args, **kwargs)
 
-    def trunc_normal_(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if isinstance(tensor, Ghost):
-            return tensor
-        return original(tensor, *args, **kwargs)
+        return trunc_normal_
 
-    init.trunc_normal_ = trunc_normal_  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        init.trunc_normal_ = original  # type: ignore[assignment]
+    if "trunc_normal_" not in swaps.names_on(init):
+        swaps.wrap(init, "trunc_normal_", leaving_ghosts)
 
 
 @contextmanager

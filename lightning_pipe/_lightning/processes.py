@@ -17,6 +17,7 @@ from lightning.fabric.utilities.distributed import _get_default_process_group_ba
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
+from lightning_pipe import _watchdog
 from lightning_pipe._compat.lightning import init_process_group
 from lightning_pipe._compat.torch import job_store
 
@@ -35,6 +36,12 @@ def launched_processes(launcher: object) -> list[subprocess.Popen]:
     if isinstance(launcher, _SubprocessScriptLauncher):
         return list(launcher.procs)
     return []
+
+
+def start_watchdog(rank: int, launcher: Any, stall_timeout: Optional[float]) -> None:
+    """Start this rank's watchdog (signals end the rank even in a transfer; a stalled wait is reported), which knows
+    the ranks this one launched."""
+    _watchdog.start(rank, lambda: launched_processes(launcher), stall_timeout)
 
 
 def record_failure(exception: BaseException, rank: int) -> Optional[float]:
@@ -97,6 +104,13 @@ def name_first_failure(exception: BaseException, rank: int, world_size: int) -> 
         exception.add_note(note)
     elif exception.args and isinstance(exception.args[0], str):  # Python 3.10: no notes
         exception.args = (f"{exception.args[0]}\n{note}", *exception.args[1:])
+
+
+def fail(exception: BaseException, launcher: Any, rank: int, world_size: int) -> None:
+    """This rank failed with ``exception``: name the rank that failed first ([Note: the first failure, named]), then,
+    on the rank that launched the others, end them."""
+    name_first_failure(exception, rank, world_size)
+    end_launched_processes(launcher, exception, rank)
 
 
 def _after_a_peer(exception: BaseException) -> bool:

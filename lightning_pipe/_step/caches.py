@@ -168,7 +168,7 @@ class PassCaches:
 
     def release(self) -> None:
         """Drop every microbatch cache (the step ended) and undo the patches on the users' caches."""
-        self._patches.__exit__(None, None, None)
+        self._patches.close()
         self._ages.clear()
         self._subs.clear()
         self._users.clear()

@@ -18,7 +18,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -30,8 +30,11 @@ from torch.distributed.tensor import DTensor
 
 from lightning_pipe._bytes import parse_bytes
 from lightning_pipe._compat.torch import read_dcp_in_one_process
-from lightning_pipe.checkpoint._files import INFO_KEY, is_pipeline_checkpoint, read_meta, resolve
+from lightning_pipe.checkpoint._files import INFO_KEY, is_pipeline_checkpoint, layout_record, read_meta, resolve
 from lightning_pipe.checkpoint._safe import SafeFileSystemReader, load_dcp_metadata
+
+if TYPE_CHECKING:
+    from lightning_pipe._model.cut import Cut
 
 INDEX_FILE = "model.safetensors.index.json"
 _SHARDED = ".sharded"
@@ -169,6 +172,14 @@ def _barrier(group: Optional[dist.ProcessGroup]) -> None:
 
 
 # ------------------------------------------------------------------------------------------- training checkpoints
+def stored_layout(cut: Cut, data_parallel_size: int, module: nn.Module) -> dict[str, Any]:
+    """What a training checkpoint stores of the pipeline: its layout (:func:`~._files.layout_record`), and the Hugging
+    Face model's configs for ``consolidate --format hf`` (:func:`config_record`)."""
+    record = layout_record(cut.layout, data_parallel_size, cut.backbone.paths, cut.stored_choice)
+    record["huggingface"] = config_record(module)
+    return record
+
+
 def config_record(module: nn.Module) -> Optional[dict[str, Any]]:
     """What a training checkpoint stores to be converted to a Hugging Face directory later: the attribute that holds
     the model, its class and its configs as JSON text; ``None`` when the module holds no (single) Hugging Face model."""
