@@ -119,3 +119,22 @@ def share_after_call(model: "torch.nn.Module", keys: Any) -> dict[str, torch.Ten
     call; ``None``: all), on the CPU."""
     state = state_after_call(model)
     return {k: v.detach().cpu().clone() for k, v in state.items() if keys is None or k in set(keys)}
+
+
+def fit_one_process(module: Any, strategy: Any, loader: Any, **trainer_kwargs: Any) -> tuple[list[float], dict]:
+    """Fit ``module`` on one process under ``strategy`` (``"auto"``: plain Lightning): the loss of every training
+    batch, and the final state (detached copies)."""
+    import lightning as L
+
+    losses: list[float] = []
+
+    class Losses(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            losses.append(float(outputs["loss"]))
+
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, strategy=strategy, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[Losses()], **trainer_kwargs,
+    )
+    trainer.fit(module, loader)
+    return losses, {k: v.detach().clone() for k, v in module.state_dict().items()}

@@ -13,10 +13,10 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-import lightning as L
 import models
 import pytest
 import torch
+from helpers import fit_one_process
 from torch import nn
 
 from lightning_pipe import PipelineStrategy
@@ -70,20 +70,9 @@ class SharedAndCustom(models.TinyLM):
 
 def _fitted(model: type, strategy: Any) -> tuple[list[float], dict[str, torch.Tensor]]:
     torch.manual_seed(0)
-    module, losses = model(), []
-
-    class Losses(L.Callback):
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            losses.append(float(outputs["loss"]))
-
-    trainer = L.Trainer(
-        accelerator="cpu", devices=1, strategy=strategy, max_steps=2, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=[Losses()], gradient_clip_val=0.5,
-        accumulate_grad_batches=2,
-    )
-    trainer.fit(module, models.loader(n=16, batch_size=4))
-    state = {k.replace("._orig_mod", ""): v.detach().clone() for k, v in module.state_dict().items()}
-    return losses, state
+    losses, state = fit_one_process(model(), strategy, models.loader(n=16, batch_size=4), max_steps=2,
+                                    gradient_clip_val=0.5, accumulate_grad_batches=2)
+    return losses, {k.replace("._orig_mod", ""): v for k, v in state.items()}
 
 
 def _assert_same(got: tuple, want: tuple) -> None:
@@ -129,17 +118,7 @@ def test_lengths_that_change_compile_once_more_and_stay_exact():
 
     def fitted(strategy: Any) -> tuple[list[float], dict[str, torch.Tensor]]:
         torch.manual_seed(0)
-        module, losses = models.TinyLM(), []
-
-        class Losses(L.Callback):
-            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-                losses.append(float(outputs["loss"]))
-
-        trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=len(lengths), logger=False,
-                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                            callbacks=[Losses()])
-        trainer.fit(module, DataLoader(batches, batch_size=None))
-        return losses, {k: v.detach().clone() for k, v in module.state_dict().items()}
+        return fit_one_process(models.TinyLM(), strategy, DataLoader(batches, batch_size=None), max_steps=len(lengths))
 
     want = fitted("auto")
     torch.compiler.reset()

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import zoo
+from helpers import fit_one_process
 from torch import nn
 
 from lightning_pipe import BackboneCallError, PipelineStrategy
@@ -302,19 +303,8 @@ def test_values_that_cross_stages_train_like_one_device(model, data, strategy, s
 
     def fitted(strategy: Any) -> tuple[list[float], dict[str, torch.Tensor]]:
         torch.manual_seed(0)
-        module, losses = model(), []
-
-        class Losses(L.Callback):
-            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-                losses.append(float(outputs["loss"]))
-
-        trainer = L.Trainer(
-            accelerator="cpu", devices=1, strategy=strategy, max_steps=2, logger=False, enable_checkpointing=False,
-            enable_progress_bar=False, enable_model_summary=False, callbacks=[Losses()], gradient_clip_val=0.5,
-            accumulate_grad_batches=2,
-        )
-        trainer.fit(module, zoo.loader(data, n=16, batch_size=4))
-        return losses, {k: v.detach().clone() for k, v in module.state_dict().items()}
+        return fit_one_process(model(), strategy, zoo.loader(data, n=16, batch_size=4), max_steps=2,
+                               gradient_clip_val=0.5, accumulate_grad_batches=2)
 
     want = fitted("auto")
     got = fitted(PipelineStrategy(num_microbatches=2, schedule=schedule, stages_per_rank=2, **strategy))
