@@ -39,3 +39,17 @@ def test_the_sample_is_exact(tmp_path):
     for name, r in results.items():
         assert r["moved"] > 1e-3, f"{name}: the weights barely moved, the comparison would prove nothing"
         assert r.get("greedy", "same") == r.get("beam", "same") == r.get("output", "same") == "same"
+    # the conditioning check (`conformance.conditioned`), on the sample's real pipelined results: each step's loss
+    # is one process's at the weights the pipeline started it from; and weights moved by 1e-2 are told apart
+    import torch
+    from conformance import ATOL, cm, conditioned
+
+    case = next(c for c in cm.registry() if c.name == "LlamaForCausalLM")
+    got = [torch.load(launches[0] / f"LlamaForCausalLM.rank{r}.pt", weights_only=False) for r in range(2)]
+    assert len(got[0]["before"]) == len(got[0]["losses"]) == 3
+    assert conditioned(case, got) < ATOL
+    for r in got:
+        for state in r["before"][1:]:
+            for key in [k for k in state if k.endswith("norm.weight")]:
+                state[key] += 1e-2
+    assert conditioned(case, got) > 1e-4
