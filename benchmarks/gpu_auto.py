@@ -58,7 +58,7 @@ def fit(args: argparse.Namespace, precision: str, **strategy: Any) -> tuple[list
     median = statistics.median(steps[runtime.trial_steps + 1:] or steps[-1:])
     print(f"{precision} {strategy}: {time.perf_counter() - begin:.1f} s, median step after the choice"
           f" {median * 1e3:.1f} ms", flush=True)
-    return record.losses, runtime.cut.choice, median, handler.lines
+    return record.losses, runtime.choice.config, median, handler.lines
 
 
 def main() -> None:

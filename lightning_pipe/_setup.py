@@ -3,14 +3,17 @@
 Every rank runs these steps in this order, since several of them talk to the other ranks:
 
 1. refuse what the pipeline cannot run, with a message that names the fix;
-2. cut the module into stages (``_model/split.py``; timed first for ``balance="time"``);
+2. settle what the pipeline runs, a :class:`~lightning_pipe.schedules.Config` (schedule, stages per process,
+   microbatches): the explicit arguments', or for ``schedule="auto"`` the chooser's from the analysed step
+   (``_step/auto.py``); then cut the module into stages for it (``_model/split.py``; timed first for
+   ``balance="time"``);
 3. materialise this rank's share, split it over the tensor ranks and shard it over the replicas
    (``_model/parallelize.py``, [Note: stage parallelism]); read its pretrained weights where ``read_pretrained`` asked
    ([Note: pretrained weights per stage]);
 4. tell the callbacks, the model summary and the data loaders about the cut;
 5. convert the module and its ghosts to the precision plugin's dtypes, on the device;
 6. connect the copies of each tied parameter over the ranks that hold them (``_model/cut.py``: ``connect_ties``);
-7. build the runtime, and let the precision plugin clip by the norm over the whole pipeline.
+7. build the runtime from the configuration, and let the precision plugin clip by the norm over the whole pipeline.
 
 The optimizers come after, from the strategy (Lightning's ``setup_optimizers``).
 """
@@ -44,10 +47,12 @@ from lightning_pipe._model.parallelize import ParallelismArgs, StageParallelism,
 from lightning_pipe._model.pretrained import read_marked
 from lightning_pipe._model.profile import first_batch, measure_backbone
 from lightning_pipe._model.shard import refuse_unshardable, refuse_user_sharding
-from lightning_pipe._model.split import previous_cut, refuse_unsupported, split_module
-from lightning_pipe._step.auto import Chooser
+from lightning_pipe._model.split import analyse, cut_module, previous_cut, refuse_unsupported, reuse_cut
+from lightning_pipe._step.auto import Chooser, choice_of, profiled_config
 from lightning_pipe._step.microbatches import MicrobatchPolicy
 from lightning_pipe._step.runtime import PipelineRuntime
+from lightning_pipe.partition import make_layout
+from lightning_pipe.schedules import Config
 
 
 @dataclass(frozen=True)
@@ -92,15 +97,7 @@ def build_pipeline(module: pl.LightningModule, trainer: pl.Trainer, args: SetupA
     mode = data_parallel_mode(options.data_parallel, args.configured)
     if mode != "ddp":
         refuse_unshardable(mode, args.precision_plugin, trainer.callbacks)
-    microbatches = MicrobatchPolicy(options.num_microbatches, options.schedule, dims.pipeline, options.stages_per_rank)
-    measure = _measure(module, args, microbatches)
-    chooser = Chooser(options, dims.pipeline, measure, module, args.device, fitting=fitting) if options.auto else None
-    cut = _cut_into_stages(module, args, fitting, measure, chooser)
-    if cut.choice is not None:  # [Note: configuration by measurement]
-        options = cut.choice.resolve(options)
-        microbatches = MicrobatchPolicy(
-            options.num_microbatches, options.schedule, dims.pipeline, options.stages_per_rank
-        )
+    cut, config, chooser = _cut_into_stages(module, args, fitting)
     sharding = _parallelize(module, cut, args).sharding
     read_marked(module, cut.names.stored, cut.whole_shapes())  # [Note: pretrained weights per stage]
     own_sampling = _adapt_to_cut(module, trainer, cut, args)
@@ -109,40 +106,74 @@ def build_pipeline(module: pl.LightningModule, trainer: pl.Trainer, args: SetupA
     module.to(args.device)
     ties = connect_ties(cut, module, dims.pipelines(), dist.get_rank(), args.tie_groups, timeout=args.timeout)
     runtime = PipelineRuntime(
-        module, cut, schedule=options.schedule, microbatches=microbatches, pp_group=dims.pipeline_group,
+        module, cut, config=config, pp_group=dims.pipeline_group,
         dp_group=dims.data_group, tie_groups=ties, device=args.device,
         checkpointed=checkpointed_blocks(options.activation_checkpointing, args.configured.checkpointed),
         amp_scaler=getattr(args.precision_plugin, "scaler", None), timeline=options.timeline,
         check_data_every=options.check_data_every_n_batches, sharding=sharding,
         scale_group=dims.loss_weight_group, tensor_group=dims.tensor_group,
         through_override=through_backward_override(module) if fitting else None,
-        trial=chooser.trial if chooser is not None else None,
+        choice=choice_of(module) if options.auto else None, trial=chooser.trial if chooser is not None else None,
     )
     counted_once = {id(p) for group, params in ties for p in params if dist.get_rank(group) != 0}
     args.precision_plugin.connect_pipeline(dims.pipeline_group, counted=lambda p: id(p) not in counted_once)
     return runtime, own_sampling
 
 
-def _measure(module: pl.LightningModule, args: SetupArgs, microbatches: MicrobatchPolicy) -> Callable[..., Any]:
+def _measure(module: pl.LightningModule, args: SetupArgs, profiled: Config) -> Callable[..., Any]:
     return functools.partial(
-        measure_backbone, module, device=args.device, microbatches_for=microbatches.for_batch,
+        measure_backbone, module, device=args.device,
+        microbatches_for=MicrobatchPolicy.of(profiled, args.dims.pipeline).for_batch,
         step_context=args.precision_plugin.train_step_context,
     )
 
 
 def _cut_into_stages(
-    module: pl.LightningModule, args: SetupArgs, fitting: bool, measure: Callable[..., Any], chooser: Optional[Chooser]
-) -> Cut:
-    options, device = args.options, args.device
+    module: pl.LightningModule, args: SetupArgs, fitting: bool
+) -> tuple[Cut, Config, Optional[Chooser]]:
+    """The cut, the configuration it was made for, and for ``schedule="auto"`` the chooser that settled it (None
+    when a later Trainer call keeps the module's cut and choice)."""
+    options, device, dims = args.options, args.device, args.dims
+    config, chooser = options.config, None
+    if options.auto:
+        kept = choice_of(module)
+        if kept is not None:  # a later Trainer call on the module runs what `schedule="auto"` chose for it
+            config = kept.config
+        else:
+            chooser = Chooser(options, dims.pipeline, _measure(module, args, profiled_config(options)), module,
+                              device, fitting=fitting)
+    sample = functools.partial(first_batch, module, args.batch_to_device)
+    previous = previous_cut(module)
+    if previous is not None:
+        placement = config.placement if config is not None else ("loop", profiled_config(options).stages_per_rank)
+        cut = reuse_cut(module, previous, placement, pipeline_parallel_size=dims.pipeline,
+                        pipeline_rank=dims.pipeline_rank, device=device, fitting=fitting, sample=sample)
+        return cut, config or previous_config(previous, options), None
     # The analysis runs the step as the Trainer call will (bf16-true's default dtype, autocast): what it creates and
     # keeps (a lazily built table) has the step's dtype. Compiled modules run eagerly: dynamo must not trace ghosts.
     with _step_context(args.precision_plugin, fitting, module.trainer), torch.compiler.set_stance("force_eager"):
-        return split_module(
-            module, options.backbone, pipeline_parallel_size=args.dims.pipeline,
-            stages_per_rank=options.stages_per_rank, pipeline_rank=args.dims.pipeline_rank, schedule=options.schedule,
-            balance=options.balance, device=device, fitting=fitting,
-            sample=lambda: first_batch(module, args.batch_to_device), measure=measure, choose=chooser,
-        )
+        analysis = analyse(module, options.backbone, device=device, fitting=fitting, sample=sample)
+        if chooser is not None:  # [Note: configuration by measurement]
+            config, costs = chooser(analysis, analysis.parameter_costs(module))
+        elif options.balance == "time":
+            assert config is not None
+            costs = _measure(module, args, config)(
+                analysis.backbone, analysis.structure, analysis.step, analysis.args[0], rest=analysis.args[1:]
+            )
+        else:
+            costs = analysis.parameter_costs(module)
+        assert config is not None
+        layout = make_layout(costs, dims.pipeline, config.stages_per_rank, options.balance, config.spec.placement)
+        cut = cut_module(module, analysis, layout, pipeline_rank=dims.pipeline_rank, device=device,
+                         schedule=config.schedule)
+    return cut, config, chooser
+
+
+def previous_config(cut: Cut, options: PipelineOptions) -> Config:
+    """``schedule="auto"`` on a module an explicit schedule cut before: the looped schedule of its placement."""
+    layout = cut.layout
+    return Config("1F1B" if layout.stages_per_rank == 1 else "Interleaved1F1B", layout.stages_per_rank,
+                  options.num_microbatches)
 
 
 def _step_context(plugin: PipelinePrecision, fitting: bool, trainer: pl.Trainer) -> AbstractContextManager[None]:

@@ -7,9 +7,9 @@ strategy, the microbatch policy, the planner and the timeline need about it, in 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Literal, Optional, Union
 
-__all__ = ["SCHEDULES", "SCHEDULE_NAMES", "ScheduleSpec", "register_schedules", "schedule_spec"]
+__all__ = ["SCHEDULES", "SCHEDULE_NAMES", "Config", "ScheduleSpec", "register_schedules", "schedule_spec"]
 
 
 @dataclass(frozen=True)
@@ -105,6 +105,47 @@ def schedule_spec(name: str) -> ScheduleSpec:
     if canonical is None:
         raise ValueError(f"Unknown `schedule={name!r}`. Choose one of {list(SCHEDULE_NAMES)}.")
     return SCHEDULES[canonical]
+
+
+@dataclass(frozen=True)
+class Config:
+    """What the pipeline runs: a schedule (by the name torch knows it by), its stages per process, and the microbatch
+    count of a full batch (``"auto"``: the default rule). Setup settles one before the cut, from the explicit arguments
+    (``PipelineOptions.config``) or, for ``schedule="auto"``, from the chooser (``_step/auto.py``); the cut and the
+    runtime are built from it, and ``spec`` is the one way from its name to the schedule's facts."""
+
+    schedule: str
+    stages_per_rank: int
+    num_microbatches: Union[int, Literal["auto"]]
+
+    @property
+    def spec(self) -> ScheduleSpec:
+        return SCHEDULES[self.schedule]
+
+    @property
+    def placement(self) -> tuple[str, int]:
+        """What a cut depends on: the stages' placement (looped or V-shaped) and the stages per process."""
+        return self.spec.placement, self.stages_per_rank
+
+    def arguments(self) -> str:
+        """The ``PipelineStrategy`` arguments that pin it."""
+        return (f"schedule={self.schedule!r}, stages_per_rank={self.stages_per_rank},"
+                f" num_microbatches={self.num_microbatches}")
+
+    def record(self) -> dict[str, Any]:
+        return {"schedule": self.schedule, "stages_per_rank": self.stages_per_rank,
+                "num_microbatches": self.num_microbatches}
+
+    @classmethod
+    def from_record(cls, record: Any) -> Optional[Config]:
+        """A stored choice, or ``None`` when ``record`` is not one (checkpoints are untrusted input)."""
+        if not isinstance(record, dict):
+            return None
+        name, v, m = record.get("schedule"), record.get("stages_per_rank"), record.get("num_microbatches")
+        if name not in SCHEDULE_NAMES or not all(isinstance(x, int) and not isinstance(x, bool) and x > 0
+                                                 for x in (v, m)):
+            return None
+        return cls(name, v, m)
 
 
 def register_schedules(cls: type, strategy_registry: Any) -> None:

@@ -188,7 +188,7 @@ class PipelineStrategy(ModuleAfterCall, WatchedCollectives, ParallelStrategy):
         """The name of the schedule the pipeline runs (``"auto"`` until setup chooses)."""
         if self._runtime is not None:
             return self._runtime.schedule.name
-        return "auto" if self._options.auto else self._options.schedule.name
+        return self._options.schedule
 
     @property
     def device_mesh(self) -> DeviceMesh:
@@ -442,7 +442,8 @@ class PipelineStrategy(ModuleAfterCall, WatchedCollectives, ParallelStrategy):
         checkpoint = dict(checkpoint)
         local_states = _callbacks.local_states(checkpoint)
         _callbacks.merge_finetuning_metadata(checkpoint, all_gather)
-        stored_layout = _hf.stored_layout(cut, self.data_parallel_size, self.lightning_module)
+        stored_layout = _hf.stored_layout(cut, self.data_parallel_size, self.lightning_module,
+                                          choice=self.runtime.stored_choice)
         _dcp.save(checkpoint, self.broadcast(filepath), module=self.lightning_module, optimizers=self.optimizers,
                   names=cut.names, layout=stored_layout, is_global_zero=self.is_global_zero, local_states=local_states)
 

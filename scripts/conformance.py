@@ -420,8 +420,9 @@ def markdown(data: dict[str, Any]) -> str:
              "the same tokens from `generate()` greedy and with `num_beams=2` (a diffusion model: its output "
              "within 1e-5). Where a model's loss amplifies rounding (its weights agree within 1e-5, its losses do "
              "not), exact also requires each step's loss to equal, within 1e-5, one process's loss at the weights "
-             "the pipeline started that step from; the table says so. Refused: an error `lightning_pipe` raises itself on every rank, naming the reason, at "
-             "setup or at the first generation pass (caches it cannot split). Defect: "
+             "the pipeline started that step from; the table says so. Refused: an error `lightning_pipe` raises "
+             "itself on every rank, naming the reason, at setup or at the first generation pass (caches it cannot "
+             "split). Defect: "
              "any other error, a hang or a difference. Not built: the tiny model fails on one process (not counted). "
              "Not run: the sweep's time cap came first.",
              "",

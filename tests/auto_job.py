@@ -79,7 +79,7 @@ def fit(phase: str, out: Path, weight_grad_ms: float, steps: int, ckpt: Any = No
     loader = torch.utils.data.DataLoader(batches(2 * (STEPS + MORE)), batch_size=None)
     trainer.fit(model, loader, loader, ckpt_path=ckpt)
     runtime = trainer.strategy._runtime
-    chosen = runtime.cut.choice
+    chosen = runtime.choice.config if runtime.choice is not None else None
     if phase == "auto":
         trainer.save_checkpoint(out / "auto.ckpt")
     result = {

@@ -15,8 +15,9 @@ import torch
 
 from lightning_pipe import PipelineStrategy
 from lightning_pipe._model.profile import BlockCost
-from lightning_pipe._step.auto import Candidate, Config, Trial, predict
+from lightning_pipe._step.auto import Candidate, Trial, predict
 from lightning_pipe.partition import make_layout
+from lightning_pipe.schedules import Config
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -228,7 +229,7 @@ def test_a_model_on_the_meta_device_is_predicted_from_parameter_counts():
 
     chooser = Chooser(options, 4, measure, module, torch.device("cpu"), fitting=True)
     costs = [72.0] * 8
-    config, layout_costs = chooser(None, None, None, ((torch.zeros(16, 8), torch.zeros(16, 8)), 0), costs)
+    config, layout_costs = chooser(None, costs, args=((torch.zeros(16, 8), torch.zeros(16, 8)), 0))
     assert layout_costs == costs and chooser.trial is not None and chooser.trial.stand_ins
     assert config == chooser.trial.timed[0].config
     assert {c.config.num_microbatches for c in chooser.trial.candidates} <= {1, 2, 4, 8, 16}

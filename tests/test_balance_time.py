@@ -35,7 +35,7 @@ class Stack(nn.Module):
 
 
 def measure(net: Stack, x: torch.Tensor, repeats: int = 3) -> list[float]:
-    """What ``PipelineStrategy(balance="time")`` measures at setup (``_model.split.split_module`` calls it), on one
+    """What ``PipelineStrategy(balance="time")`` measures at setup (``_setup._cut_into_stages`` calls it), on one
     process, one microbatch."""
     backbone = find_backbone(net, "blocks")
     structure = analyze(net, backbone, net.training_step, (x, 0), torch.device("cpu"), training=True)

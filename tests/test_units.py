@@ -94,7 +94,7 @@ def batch() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def cut_of(model: Net, pipeline_size: int = 2, stages_per_rank: int = 1) -> Cut:
-    """The cut ``PipelineStrategy.setup`` makes (``_model.split.split_module``), 4 blocks split evenly, before
+    """The cut ``PipelineStrategy.setup`` makes (``_model.split.cut_module``), 4 blocks split evenly, before
     ``keep_only``."""
     backbone = find_backbone(model, "blocks")
     structure = analyze(model, backbone, model.training_step, (batch(), 0), CPU, training=True)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, Union
 
 from lightning_pipe._bytes import parse_bytes
 from lightning_pipe.partition import BALANCE_MODES
-from lightning_pipe.schedules import ScheduleSpec, schedule_spec
+from lightning_pipe.schedules import Config, schedule_spec
 from lightning_pipe.timeline import TimelineOptions
 
 if TYPE_CHECKING:
@@ -29,15 +29,17 @@ DATA_PARALLEL_MODES = ("ddp", "fsdp", "hsdp")
 class PipelineOptions:
     """The validated ``PipelineStrategy`` arguments that shape the pipeline, under the names the user passes them.
 
-    ``schedule`` is the schedule's spec, ``stages_per_rank`` is resolved, ``timeline`` is resolved (``None``: no
-    trace), and ``stall_timeout`` is in seconds (a ``timedelta`` converted).
+    ``schedule`` is the schedule's name as torch knows it, or ``"auto"`` ([Note: configuration by measurement]);
+    ``stages_per_rank`` is resolved for a named schedule (for ``"auto"``, the user's value or ``"auto"``);
+    ``timeline`` is resolved (``None``: no trace), and ``stall_timeout`` is in seconds (a ``timedelta`` converted).
+    What the pipeline runs is :attr:`config`, or what the chooser settles at setup.
     """
 
     pipeline_parallel_size: Size
     data_parallel_size: Size
     num_microbatches: Size
-    schedule: ScheduleSpec
-    stages_per_rank: int
+    schedule: str
+    stages_per_rank: Size
     backbone: Union[str, list[str]]
     balance: Union[str, list[int]]
     activation_checkpointing: Union[bool, list[str], Callable[[nn.Module], bool]]
@@ -50,12 +52,22 @@ class PipelineOptions:
     tensor_parallel_size: int = 1
     #: ``_model.tensor_parallel.TensorParallelPlan``, spelled out (that module is in a higher layer than this one)
     tensor_parallel_plan: Union[None, str, dict, Callable[[nn.Module, DeviceMesh], None]] = None
-    #: ``schedule="auto"``: ``schedule`` and ``stages_per_rank`` are placeholders until setup chooses
-    #: ([Note: configuration by measurement])
-    auto: bool = False
     max_memory: Optional[int] = None  # bytes a process may hold, for ``schedule="auto"``
     compile: Optional[dict] = None  # ``torch.compile``'s options for each block; ``None``: not compiled
     keep_split: bool = False  # leave the module split after each Trainer call
+
+    @property
+    def auto(self) -> bool:
+        """``schedule="auto"``: setup chooses the :class:`~lightning_pipe.schedules.Config`."""
+        return self.schedule == "auto"
+
+    @property
+    def config(self) -> Optional[Config]:
+        """What the explicit arguments ask the pipeline to run; ``None`` for ``schedule="auto"``."""
+        if self.auto:
+            return None
+        assert isinstance(self.stages_per_rank, int)
+        return Config(self.schedule, self.stages_per_rank, self.num_microbatches)
 
 
 def validated_options(
@@ -97,7 +109,7 @@ def validated_options(
             " with the number of backbone modules in each stage."
         )
     auto = str(schedule).lower() == "auto"
-    spec = schedule_spec("Interleaved1F1B" if auto else schedule)  # auto: looped schedules' stages per process
+    spec = schedule_spec("Interleaved1F1B" if auto else schedule)  # auto: checked as the looped schedules are
     if max_memory is not None and not auto:
         raise ValueError(
             "`PipelineStrategy(max_memory=...)` bounds the configurations `schedule='auto'` considers; set"
@@ -105,9 +117,9 @@ def validated_options(
         )
     if max_memory is not None:
         max_memory = parse_bytes(max_memory)
-    if stages_per_rank == "auto":
+    if stages_per_rank == "auto" and not auto:
         stages_per_rank = spec.default_stages_per_rank()
-    if not spec.multi_stage and stages_per_rank != 1:
+    if not spec.multi_stage and stages_per_rank != 1:  # (auto: the chooser weighs one-stage schedules at 1)
         raise ValueError(
             f"`PipelineStrategy(schedule={spec.name!r})` runs one stage per process, but"
             f" `stages_per_rank={stages_per_rank}`. Use a multi-stage schedule such as 'Interleaved1F1B', or set"
@@ -165,11 +177,12 @@ def validated_options(
         )
     return PipelineOptions(
         pipeline_parallel_size=pipeline_parallel_size, data_parallel_size=data_parallel_size,
-        num_microbatches=num_microbatches, schedule=spec, stages_per_rank=stages_per_rank, backbone=backbone,
+        num_microbatches=num_microbatches, schedule="auto" if auto else spec.name, stages_per_rank=stages_per_rank,
+        backbone=backbone,
         balance=balance, activation_checkpointing=activation_checkpointing, timeline=TimelineOptions.resolve(timeline),
         stall_timeout=seconds, check_data_every_n_batches=every, data_parallel=data_parallel,
         data_parallel_shard_size=data_parallel_shard_size, reshard_after_forward=reshard_after_forward,
-        tensor_parallel_size=tp, tensor_parallel_plan=tensor_parallel_plan, auto=auto, max_memory=max_memory,
+        tensor_parallel_size=tp, tensor_parallel_plan=tensor_parallel_plan, max_memory=max_memory,
         compile=({} if compile is True else dict(compile)) if compile is not False else None, keep_split=keep_split,
     )
 

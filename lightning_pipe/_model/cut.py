@@ -96,21 +96,12 @@ class Cut:
         # What `_model/parallelize.py` applied to this rank's share after the cut (a `StageParallelism`), kept for the
         # strategy's next Trainer call on the module.
         self.parallelism: Any = None
-        #: ``schedule="auto"``'s configuration (an ``_step.auto.Config``): the one cut for, then the one kept once
-        #: timed (``choice_decided``), which checkpoints store; ``None`` otherwise
-        self.choice: Any = None
-        self.choice_decided = False
         #: whether the module is cut now (:meth:`keep_only`), or whole again after a Trainer call (:meth:`unsplit`)
         self.split = False
         self._trained_names: dict[int, str] = {}
         _refuse_shared_storage(module)
         self._place(module)
         self.flow = make_flow(structure, layout, [b.name for b in backbone.blocks])
-
-    @property
-    def stored_choice(self) -> Any:
-        """What a checkpoint stores of ``schedule="auto"``: the configuration it kept, or ``None`` until it chose."""
-        return self.choice if self.choice_decided else None
 
     # ------------------------------------------------------------------------------------------------ placement
     def region_stage(self, region: int) -> int:

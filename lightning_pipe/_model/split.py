@@ -1,16 +1,18 @@
 """Cutting the LightningModule at setup: checks that it can be pipelined, then the cut itself.
 
-:func:`refuse_unsupported` names what cannot run in a pipeline and how to change it. :func:`split_module` finds the
-backbone (:mod:`lightning_pipe._model.backbone`), learns from one ghost run of the step how the step uses the model
-(:mod:`lightning_pipe._model.structure`), splits the blocks into stages (:mod:`lightning_pipe.partition`, with costs
-from parameter counts or, for ``balance="time"``, measured times), and leaves this rank with only its share of the
-tensors (:mod:`lightning_pipe._model.cut`). A module cut before (``fit``, then ``validate``) is reused.
+:func:`refuse_unsupported` names what cannot run in a pipeline and how to change it. :func:`analyse` finds the
+backbone (:mod:`lightning_pipe._model.backbone`) and learns from one ghost run of the step how the step uses the model
+(:mod:`lightning_pipe._model.structure`). Setup then settles the configuration and the stages' bounds
+(:mod:`lightning_pipe.partition`, with costs from parameter counts or measured times), and :func:`cut_module` leaves
+this rank with only its share of the tensors (:mod:`lightning_pipe._model.cut`). A module cut before (``fit``, then
+``validate``) is reused (:func:`reuse_cut`).
 """
 
 from __future__ import annotations
 
 import logging
 import weakref
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import torch
@@ -23,15 +25,13 @@ from lightning_pipe._model.backbone import Backbone, consecutive_candidates, fin
 from lightning_pipe._model.calls import BackboneNotCalledError, Structure
 from lightning_pipe._model.cut import Cut
 from lightning_pipe._model.structure import analyze
-from lightning_pipe.partition import make_layout
-from lightning_pipe.schedules import ScheduleSpec, schedule_spec
+from lightning_pipe.partition import StageLayout
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 log = logging.getLogger(__name__)
 
-_Balance = Union[str, list[int]]
 #: The cut of every module split in this process (kept while the module lives; nothing is stored on the module).
 _cuts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -63,71 +63,75 @@ def refuse_unsupported(
         )
 
 
-def split_module(
-    module: nn.Module,
-    backbone_spec: Union[str, list[str]],
-    *,
-    pipeline_parallel_size: int,
-    stages_per_rank: int,
-    pipeline_rank: int,
-    schedule: ScheduleSpec,
-    balance: _Balance,
-    device: torch.device,
-    fitting: bool,
-    sample: Callable[[], tuple[Callable[..., Any], tuple]],
-    measure: Callable[..., list[float]],
-    choose: Optional[Callable[..., tuple[Any, list[float]]]] = None,
-) -> Cut:
-    """Cut ``module`` for this rank; returns the :class:`~lightning_pipe._model.cut.Cut`.
+@dataclass
+class Analysis:
+    """What one ghost run of the step on its first batch tells setup before the cut: the running step and the
+    arguments Lightning's loop passes it (the batch first), the backbone, and how the step calls it."""
 
-    Args:
-        sample: returns the running step and the arguments Lightning's loop passes it for a batch of its data on
-            the device, the batch first (the step is analysed on them).
-        measure: ``(backbone, structure, step, batch, rest=<the arguments after the batch>) -> seconds per
-            block``, for ``balance="time"``.
-        choose: ``schedule="auto"`` ([Note: configuration by measurement]): ``(backbone, structure, step, args,
-            parameter_costs) -> (config, costs)``, the configuration to cut for and the costs to balance with; the
-            cut keeps the configuration (``cut.choice``).
-    """
-    pp, rank, style = pipeline_parallel_size, pipeline_rank, schedule.placement
-    previous = _cuts.get(module)
-    if previous is not None and choose is not None and previous.choice is not None:
-        if not previous.split:
-            previous.keep_only(rank, device)
-        return previous  # `schedule="auto"` keeps what it chose for the module
-    if previous is not None:
-        layout = previous.layout
-        if (layout.pipeline_size, layout.stages_per_rank, layout.style) != (pp, stages_per_rank, style):
-            raise ValueError(
-                f"The module was already split for another pipeline ({layout.describe()}). Create a new"
-                " LightningModule (or load it from a checkpoint) to run it with a different pipeline layout."
-            )
-        if not previous.split:  # whole again after the last call: cut it for the same layout
-            _refuse_reads_elsewhere(module, previous, sample, device, fitting=fitting)
-            previous.keep_only(rank, device)
-        log.debug("pipeline rank %d: reusing the split module: %s", rank, layout.describe())
-        return previous
+    step: Callable[..., Any]
+    args: tuple
+    backbone: Backbone
+    structure: Structure
+
+    def parameter_costs(self, module: nn.Module) -> list[float]:
+        """Parameters per block; those outside the blocks count with the block whose stage first reads them (the
+        code before block ``r`` runs on its stage), those nothing reads with the last."""
+        inside: set[int] = set()
+        costs = []
+        for i in range(len(self.backbone)):
+            params = {id(p): p for p in self.backbone.module(i).parameters()}
+            inside.update(params)
+            costs.append(float(sum(p.numel() for p in params.values())))
+        for p in {id(p): p for p in module.parameters()}.values():
+            if id(p) not in inside:
+                regions = self.structure.region_params.get(id(p))
+                costs[min(min(regions), len(costs) - 1) if regions else -1] += p.numel()
+        return costs
+
+
+def analyse(
+    module: nn.Module, backbone_spec: Union[str, list[str]], *, device: torch.device, fitting: bool,
+    sample: Callable[[], tuple[Callable[..., Any], tuple]],
+) -> Analysis:
+    """Find the backbone and learn how the step runs it, on the batch ``sample()`` returns with the running step and
+    the arguments Lightning's loop passes it on the device."""
     step, args = sample()
     backbone, structure = _backbone_of(module, backbone_spec, step, args, device, fitting=fitting)
-    choice = None
-    if choose is not None:
-        choice, costs = choose(backbone, structure, step, args, _parameter_costs(module, backbone, structure))
-        schedule, stages_per_rank = schedule_spec(choice.schedule), choice.stages_per_rank
-        style = schedule.placement
-    elif balance == "time":
-        costs = measure(backbone, structure, step, args[0], rest=args[1:])
-    else:
-        costs = _parameter_costs(module, backbone, structure)
-    layout = make_layout(costs, pp, stages_per_rank, balance, style)
-    cut = Cut(module, backbone, structure, layout)
-    cut.choice = choice
-    cut.keep_only(rank, device)
+    return Analysis(step, args, backbone, structure)
+
+
+def cut_module(module: nn.Module, analysis: Analysis, layout: StageLayout, *, pipeline_rank: int,
+               device: torch.device, schedule: str) -> Cut:
+    """Cut ``module`` into ``layout``'s stages (made for ``schedule``), keeping this rank's share of the tensors."""
+    cut = Cut(module, analysis.backbone, analysis.structure, layout)
+    cut.keep_only(pipeline_rank, device)
     _cuts[module] = cut
-    rank_zero_info(f"PipelineStrategy ({schedule.name}): {layout.describe()}")
+    rank_zero_info(f"PipelineStrategy ({schedule}): {layout.describe()}")
     if cut.flow.carries_more_than_hidden():
         rank_zero_info(f"PipelineStrategy: stage boundaries carry {cut.flow.describe()}")
-    log.debug("%s", cut.describe(rank))
+    log.debug("%s", cut.describe(pipeline_rank))
     return cut
+
+
+def reuse_cut(
+    module: nn.Module, previous: Cut, placement: tuple[str, int], *, pipeline_parallel_size: int, pipeline_rank: int,
+    device: torch.device, fitting: bool, sample: Callable[[], tuple[Callable[..., Any], tuple]],
+) -> Cut:
+    """A later Trainer call on a module cut before (``fit``, then ``validate``) keeps its cut, for the same pipeline
+    (``placement``: the stages' placement and stages per process); cut again for the same layout when it was made
+    whole after the last call."""
+    layout = previous.layout
+    if (layout.pipeline_size, layout.stages_per_rank, layout.style) != (pipeline_parallel_size, placement[1],
+                                                                         placement[0]):
+        raise ValueError(
+            f"The module was already split for another pipeline ({layout.describe()}). Create a new"
+            " LightningModule (or load it from a checkpoint) to run it with a different pipeline layout."
+        )
+    if not previous.split:  # whole again after the last call: cut it for the same layout
+        _refuse_reads_elsewhere(module, previous, sample, device, fitting=fitting)
+        previous.keep_only(pipeline_rank, device)
+    log.debug("pipeline rank %d: reusing the split module: %s", pipeline_rank, layout.describe())
+    return previous
 
 
 def _backbone_of(
@@ -224,19 +228,3 @@ def _refuse_reads_elsewhere(
 def previous_cut(module: nn.Module) -> Optional[Cut]:
     """The cut of ``module`` from an earlier ``Trainer`` call (``validate`` after ``fit``), if it was split."""
     return _cuts.get(module)
-
-
-def _parameter_costs(module: nn.Module, backbone: Backbone, structure: Structure) -> list[float]:
-    """Parameters per block; those outside the blocks count with the block whose stage first reads them (the code
-    before block ``r`` runs on its stage), those nothing reads with the last."""
-    inside: set[int] = set()
-    costs = []
-    for i in range(len(backbone)):
-        params = {id(p): p for p in backbone.module(i).parameters()}
-        inside.update(params)
-        costs.append(float(sum(p.numel() for p in params.values())))
-    for p in {id(p): p for p in module.parameters()}.values():
-        if id(p) not in inside:
-            regions = structure.region_params.get(id(p))
-            costs[min(min(regions), len(costs) - 1) if regions else -1] += p.numel()
-    return costs

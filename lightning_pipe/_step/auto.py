@@ -34,8 +34,9 @@ from __future__ import annotations
 
 import logging
 import math
+import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
@@ -46,13 +47,13 @@ from lightning_pipe._compiled import compiled
 from lightning_pipe._simulate import ACTION_OVERHEAD_S, StageCosts, peak_memory, simulate
 from lightning_pipe._step.microbatches import default_num_microbatches, divisors, largest_divisor_at_most
 from lightning_pipe.partition import StageLayout
-from lightning_pipe.schedules import SCHEDULE_NAMES, schedule_spec
+from lightning_pipe.schedules import SCHEDULE_NAMES, Config, schedule_spec
 
 if TYPE_CHECKING:
     from lightning_pipe._lightning.options import PipelineOptions, Size
     from lightning_pipe._model.backbone import Backbone
-    from lightning_pipe._model.calls import Structure
     from lightning_pipe._model.profile import BlockCost
+    from lightning_pipe._model.split import Analysis
 
 log = logging.getLogger(__name__)
 
@@ -64,45 +65,6 @@ TIMED, WARMUP, STEPS, EXTRA, LEAD = 3, 1, 2, 2, 1
 MAX_COUNTS = 5
 #: Rows of the logged table: the timed candidates, then the best predicted of the others.
 TABLE_ROWS = 10
-
-
-@dataclass(frozen=True)
-class Config:
-    """One configuration: a schedule, its stages per process, and the microbatch count of a full batch (``"auto"``:
-    the default rule, for an evaluation alone)."""
-
-    schedule: str
-    stages_per_rank: int
-    num_microbatches: Size
-
-    @property
-    def placement(self) -> tuple[str, int]:
-        return schedule_spec(self.schedule).placement, self.stages_per_rank
-
-    def arguments(self) -> str:
-        """The ``PipelineStrategy`` arguments that pin it."""
-        return (f"schedule={self.schedule!r}, stages_per_rank={self.stages_per_rank},"
-                f" num_microbatches={self.num_microbatches}")
-
-    def resolve(self, options: PipelineOptions) -> PipelineOptions:
-        """``options`` with this configuration in place of ``"auto"``."""
-        return replace(options, schedule=schedule_spec(self.schedule), stages_per_rank=self.stages_per_rank,
-                       num_microbatches=self.num_microbatches)
-
-    def record(self) -> dict[str, Any]:
-        return {"schedule": self.schedule, "stages_per_rank": self.stages_per_rank,
-                "num_microbatches": self.num_microbatches}
-
-    @classmethod
-    def from_record(cls, record: Any) -> Optional[Config]:
-        """A stored choice, or ``None`` when ``record`` is not one (checkpoints are untrusted input)."""
-        if not isinstance(record, dict):
-            return None
-        name, v, m = record.get("schedule"), record.get("stages_per_rank"), record.get("num_microbatches")
-        if name not in SCHEDULE_NAMES or not all(isinstance(x, int) and not isinstance(x, bool) and x > 0
-                                                 for x in (v, m)):
-            return None
-        return cls(name, v, m)
 
 
 @dataclass
@@ -358,14 +320,44 @@ def describe_choice(trial: Trial) -> str:
     )
 
 
+#: The stages per process of the looped multi-stage candidates when ``stages_per_rank="auto"``.
+LOOPED_STAGES_PER_RANK = 2
+
+
+def profiled_config(options: PipelineOptions) -> Config:
+    """The configuration whose microbatch size the blocks are profiled at (:class:`Chooser`'s ``measure``): the
+    looped schedules' default; the prediction scales each candidate's times from it."""
+    v = options.stages_per_rank if isinstance(options.stages_per_rank, int) else LOOPED_STAGES_PER_RANK
+    return Config("Interleaved1F1B", v, options.num_microbatches)
+
+
+@dataclass
+class Choice:
+    """``schedule="auto"``'s configuration for one LightningModule: the one its cut was made for, then the one the
+    timed steps kept (``decided``), which checkpoints store and later Trainer calls on the module run."""
+
+    config: Config
+    decided: bool = False
+
+
+#: The choice of every module setup chose for in this process (kept while the module lives, as its cut is).
+_choices: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def choice_of(module: torch.nn.Module) -> Optional[Choice]:
+    """What ``schedule="auto"`` chose for ``module`` in an earlier Trainer call, if it did."""
+    return _choices.get(module)
+
+
 class Chooser:
-    """What ``split_module`` asks at setup for ``schedule="auto"``: measure, predict, and the configuration to cut for;
-    keeps the :class:`Trial` for the runtime.
+    """What setup asks for ``schedule="auto"`` between the step's analysis and the cut: measure, predict, and the
+    configuration to cut for (:class:`Choice`, kept per module); keeps the :class:`Trial` for the runtime.
 
     Args:
         options: the strategy's options.
         pipeline_size: processes per pipeline.
-        measure: ``_model/profile.py``'s ``measure_backbone`` bound to the module and device.
+        measure: ``_model/profile.py``'s ``measure_backbone`` bound to the module and device, profiling at
+            :func:`profiled_config`'s microbatch size.
         module: the LightningModule (BatchNorm keeps the microbatch count fixed).
         device: where training runs (on a GPU, its memory bounds the candidates unless ``max_memory`` does).
         fitting: whether the ``Trainer`` call trains; an evaluation alone runs today's defaults, untimed.
@@ -377,8 +369,16 @@ class Chooser:
         self.module, self.device, self.fitting = module, device, fitting
         self.trial: Optional[Trial] = None
 
-    def __call__(self, backbone: Backbone, structure: Structure, step: Callable[..., Any], args: tuple,
-                 parameter_costs: list[float]) -> tuple[Config, list[float]]:
+    def __call__(self, analysis: Optional[Analysis], parameter_costs: list[float], *,
+                 args: Optional[tuple] = None) -> tuple[Config, list[float]]:
+        """The configuration to cut for and the costs to balance its stages with; ``args`` (the step's arguments,
+        the batch first) stand in for the analysis's where it is ``None``."""
+        config, costs = self._choose(analysis, parameter_costs, analysis.args if analysis is not None else args)
+        _choices[self.module] = Choice(config)
+        return config, costs
+
+    def _choose(self, analysis: Optional[Analysis], parameter_costs: list[float],
+                args: tuple) -> tuple[Config, list[float]]:
         from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
         from lightning_pipe.partition import make_layout
@@ -387,15 +387,17 @@ class Chooser:
         if not self.fitting:
             rank_zero_info("PipelineStrategy(schedule='auto'): an evaluation alone runs 1F1B; fit to choose.")
             return Config("1F1B", 1, options.num_microbatches), parameter_costs
+        backbone = analysis.backbone if analysis is not None else None
         stand_ins = any(t.is_meta for t in self.module.parameters())
         if stand_ins:  # built on the meta device (`configure_model`): nothing to time before the cut
-            measured = self._stand_ins(backbone, structure, step, args, parameter_costs)
+            measured = self._stand_ins(args, parameter_costs)
             rank_zero_info(
                 "PipelineStrategy(schedule='auto'): the model is on the meta device until after the cut, so the"
                 " prediction takes parameter counts for the blocks' times; the timed steps decide."
             )
         else:
-            measured = self.measure(backbone, structure, step, args[0], rest=args[1:], detail=True)
+            assert analysis is not None
+            measured = self.measure(backbone, analysis.structure, analysis.step, args[0], rest=args[1:], detail=True)
         costs = [c.total for c in measured] if options.balance == "time" and not stand_ins else parameter_costs
         width = next((t.element_size() for t in self.module.parameters()), 4)
         batch_size = measured[0].batch_size
@@ -409,7 +411,7 @@ class Chooser:
         candidates = predict(
             measured, [c * width for c in parameter_costs], p, batch_size,
             lambda v, style: make_layout(costs, p, v, options.balance, style),
-            num_microbatches=options.num_microbatches, stages_per_rank=options.stages_per_rank,
+            num_microbatches=options.num_microbatches, stages_per_rank=profiled_config(options).stages_per_rank,
             fixed_count=batchnorm, max_memory=budget,
             schedules=_schedules_for(options, backbone),
         )
@@ -423,8 +425,7 @@ class Chooser:
         )
         return best, costs
 
-    def _stand_ins(self, backbone: Backbone, structure: Structure, step: Callable[..., Any], args: tuple,
-                   parameter_costs: list[float]) -> list[BlockCost]:
+    def _stand_ins(self, args: tuple, parameter_costs: list[float]) -> list[BlockCost]:
         """Block costs from parameter counts (a microsecond per thousand, forward, input and weight gradient
         alike) for the whole first batch, nothing saved: only their ratios matter, the trial fits the scale. The
         batch size is the first batch tensor's first dimension."""

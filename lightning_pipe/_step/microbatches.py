@@ -17,7 +17,7 @@ from typing import Any, Optional, Union
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lightning_pipe.schedules import ScheduleSpec, schedule_spec
+from lightning_pipe.schedules import Config, ScheduleSpec, schedule_spec
 
 #: Largest bubble ``num_microbatches="auto"`` aims for (reached with ``m >= 4 * p / v``).
 TARGET_BUBBLE = 0.2
@@ -45,6 +45,11 @@ class MicrobatchPolicy:
         self.schedule = schedule
         self.pipeline_parallel_size = pipeline_parallel_size
         self.stages_per_rank = stages_per_rank
+
+    @classmethod
+    def of(cls, config: Config, pipeline_parallel_size: int) -> MicrobatchPolicy:
+        """The policy of the configuration the pipeline runs."""
+        return cls(config.num_microbatches, config.spec, pipeline_parallel_size, config.stages_per_rank)
 
     @property
     def nominal(self) -> int:

@@ -61,7 +61,7 @@ from lightning_pipe._model.cut import Cut
 from lightning_pipe._model.shard import StageSharding
 from lightning_pipe._model.structure import everything_ghosted
 from lightning_pipe._model.untouched import untouched
-from lightning_pipe._step.auto import Config, Trial, describe_choice
+from lightning_pipe._step.auto import Choice, Trial, describe_choice
 from lightning_pipe._step.generation import Generates, LockStep, StepFailed, random_state_of, set_random_state
 from lightning_pipe._step.gradients import Gradients
 from lightning_pipe._step.last_backward import ReductionOverlap
@@ -71,7 +71,7 @@ from lightning_pipe._step.pipeline import StageModule, StagePipeline
 from lightning_pipe._step.program import StepProgram
 from lightning_pipe._step.sharded import ShardedStages
 from lightning_pipe.partition import StageLayout
-from lightning_pipe.schedules import ScheduleSpec, schedule_spec
+from lightning_pipe.schedules import Config
 
 log = logging.getLogger(__name__)
 
@@ -82,8 +82,7 @@ class PipelineRuntime:
     Args:
         module: the LightningModule, already cut (``cut.keep_only``).
         cut: where every tensor lives.
-        schedule: the schedule to run.
-        microbatches: the microbatch policy.
+        config: what the pipeline runs (schedule, stages per process, microbatches), settled at setup.
         pp_group: this rank's pipeline (one replica); ``dp_group``: its replicas (``sync_dist`` logging reduces over
             it, gradients are averaged over it).
         tie_groups: process groups of the tied parameters this rank holds, as :class:`Gradients` takes them.
@@ -97,6 +96,8 @@ class PipelineRuntime:
         scale_group: a second group over this rank's pipeline, which carries each step's loss weight to every stage
             during the schedule ([Note: overlapped reductions]); ``None`` with one process per pipeline.
         tensor_group: this rank's tensor-parallel group (``None`` without tensor parallelism): see :class:`Gradients`.
+        choice, trial: ``schedule="auto"``'s choice for the module and the trial that times its candidates on the
+            first training steps ([Note: configuration by measurement]).
     """
 
     def __init__(
@@ -104,8 +105,7 @@ class PipelineRuntime:
         module: Any,
         cut: Cut,
         *,
-        schedule: ScheduleSpec,
-        microbatches: MicrobatchPolicy,
+        config: Config,
         pp_group: dist.ProcessGroup,
         dp_group: dist.ProcessGroup,
         tie_groups: Sequence[tuple[dist.ProcessGroup, list[nn.Parameter]]],
@@ -118,6 +118,7 @@ class PipelineRuntime:
         scale_group: Optional[dist.ProcessGroup] = None,
         tensor_group: Optional[dist.ProcessGroup] = None,
         through_override: Optional[Callable[[Callable[[], Any]], Any]] = None,
+        choice: Optional[Choice] = None,
         trial: Optional[Trial] = None,
     ) -> None:
         sharding = ShardedStages.of(sharding) if sharding is not None else None  # with its per-batch calls
@@ -126,8 +127,10 @@ class PipelineRuntime:
         self.check_data_every = check_data_every
         self._batches_checked = {"training": 0, "evaluation": 0}
         self.cut = cut
-        self.schedule = schedule
-        self.microbatches = microbatches
+        self.config = config
+        self.schedule = schedule = config.spec
+        self.microbatches = MicrobatchPolicy.of(config, cut.layout.pipeline_size)
+        self.choice = choice  # `schedule="auto"`'s ([Note: configuration by measurement]); None otherwise
         self.device = device
         self.dp_group = dp_group
         self.amp_scaler = amp_scaler
@@ -146,7 +149,7 @@ class PipelineRuntime:
                 s: StageModule(self.program, s, [], functools.partial(cut.registered_parameters, s)) for s in bounds
             }
         self.pipeline = StagePipeline(
-            stage_modules, layout, schedule, microbatches.nominal, pp_group, device=device, probe=self._probe
+            stage_modules, layout, schedule, self.microbatches.nominal, pp_group, device=device, probe=self._probe
         )
         replicas = dp_group if dist.get_world_size(dp_group) > 1 else None
         self.overlap = self._overlap(cut, bounds, replicas, scale_group, sharding) if replicas is not None else None
@@ -187,26 +190,29 @@ class PipelineRuntime:
 
     def use(self, config: Config) -> None:
         """Run ``config`` from the next batch on: a schedule of the cut's placement, and its microbatch count."""
-        spec = schedule_spec(config.schedule)
-        if (spec, config.num_microbatches) == (self.schedule, self.microbatches.requested):
+        if config == self.config:
             return
-        self.schedule = spec
-        self.microbatches = MicrobatchPolicy(
-            config.num_microbatches, spec, self.layout.pipeline_size, self.layout.stages_per_rank
-        )
-        self.pipeline.use(spec, self.microbatches.nominal)
+        self.config, self.schedule = config, config.spec
+        self.microbatches = MicrobatchPolicy.of(config, self.layout.pipeline_size)
+        self.pipeline.use(self.schedule, self.microbatches.nominal)
+
+    @property
+    def stored_choice(self) -> Optional[Config]:
+        """What a checkpoint stores of ``schedule="auto"``: the configuration it kept, or ``None`` until it chose."""
+        return self.choice.config if self.choice is not None and self.choice.decided else None
 
     def _keep(self, config: Config) -> None:
         """``schedule="auto"`` chose ``config`` for the rest of the run: what checkpoints store from now on."""
         self.use(config)
-        self.cut.choice, self.cut.choice_decided = config, True
+        if self.choice is not None:
+            self.choice.config, self.choice.decided = config, True
         self.trial = None
 
     def keep_stored_choice(self, record: Any) -> None:
         """A resumed ``schedule="auto"`` run keeps the configuration its checkpoint stores instead of timing again,
         when the cut has its placement (setup predicted the same); ``record`` is from disk, so checked."""
         config = Config.from_record(record)
-        if self.cut.choice is None or config is None:
+        if self.choice is None or config is None:
             return
         if config.placement != (self.layout.style, self.layout.stages_per_rank):
             if self.trial is None:  # nothing to choose in this call (an evaluation): it runs what it was cut for

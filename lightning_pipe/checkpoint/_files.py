@@ -34,8 +34,8 @@ import torch
 from lightning_pipe.checkpoint._safe import DamagedCheckpointError, load_torch_file
 
 if TYPE_CHECKING:
-    from lightning_pipe._step.auto import Config
     from lightning_pipe.partition import StageLayout
+    from lightning_pipe.schedules import Config
 
 log = logging.getLogger(__name__)
 

@@ -35,6 +35,7 @@ from lightning_pipe.checkpoint._safe import SafeFileSystemReader, load_dcp_metad
 
 if TYPE_CHECKING:
     from lightning_pipe._model.cut import Cut
+    from lightning_pipe.schedules import Config
 
 INDEX_FILE = "model.safetensors.index.json"
 _SHARDED = ".sharded"
@@ -172,10 +173,11 @@ def _barrier(group: Optional[dist.ProcessGroup]) -> None:
 
 
 # ------------------------------------------------------------------------------------------- training checkpoints
-def stored_layout(cut: Cut, data_parallel_size: int, module: nn.Module) -> dict[str, Any]:
-    """What a training checkpoint stores of the pipeline: its layout (:func:`~._files.layout_record`), and the Hugging
-    Face model's configs for ``consolidate --format hf`` (:func:`config_record`)."""
-    record = layout_record(cut.layout, data_parallel_size, cut.backbone.paths, cut.stored_choice)
+def stored_layout(cut: Cut, data_parallel_size: int, module: nn.Module, *, choice: Optional[Config]) -> dict[str, Any]:
+    """What a training checkpoint stores of the pipeline: its layout (:func:`~._files.layout_record`) with what
+    ``schedule="auto"`` chose (``choice``: ``None`` for explicit arguments, or until it chose), and the Hugging Face
+    model's configs for ``consolidate --format hf`` (:func:`config_record`)."""
+    record = layout_record(cut.layout, data_parallel_size, cut.backbone.paths, choice)
     record["huggingface"] = config_record(module)
     return record
 
