@@ -25,11 +25,17 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import struct
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
+
+from lightning_pipe import _watchdog
+
+if TYPE_CHECKING:
+    from lightning_pipe.partition import StageLayout
 
 _INT_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _PRIME = 65521
@@ -100,3 +106,66 @@ def _bits(tensor: torch.Tensor) -> torch.Tensor:
     if tensor.is_floating_point():
         tensor = tensor.contiguous().view(_INT_VIEW[tensor.element_size()])
     return tensor.to(torch.int64)
+
+
+class SameDataCheck:
+    """The check that every stage of one pipeline was given the same batch (``check_data_every_n_batches``).
+
+    Args:
+        every: compare on the first 3 batches of training and of evaluation and on every ``every``-th after;
+            ``None``: never.
+        group: the pipeline's process group.
+        layout: the stages' placement (the error names each rank's stages).
+        device: where the fingerprint is reduced.
+    """
+
+    def __init__(self, every: Optional[int], group: dist.ProcessGroup, layout: StageLayout,
+                 device: torch.device) -> None:
+        self.every, self.group, self.layout, self.device = every, group, layout, device
+        self._batches_checked = {"training": 0, "evaluation": 0}
+
+    def __call__(self, kind: str, batch: Any, rest: Sequence[Any], kwargs: dict[str, Any]) -> None:
+        """Fail on every rank if the stages of this pipeline were not given the same batch.
+
+        Every stage loads its own data; a loader whose order depends on the process (a sampler or generator seeded
+        per process, an iterable dataset with per-process state, random augmentation) feeds the stages different
+        samples, and the pipeline would train on a mix of them without any error. The first 3 batches of training
+        and of evaluation and every ``check_data_every``-th after are compared: a fingerprint (shapes, values, row
+        order; :mod:`~lightning_pipe._fingerprint`) and one small all-reduce over the pipeline group.
+        """
+        every, group = self.every, self.group
+        if every is None or self.layout.pipeline_size == 1:
+            return
+        count = self._batches_checked[kind]
+        self._batches_checked[kind] = count + 1
+        if count >= 3 and count % every:
+            return
+        words = fingerprint((batch, list(rest), kwargs), self.device)
+        with _watchdog.waiting(lambda: "the other pipeline ranks' batch fingerprints (the same-data check)"):
+            if not differs(words, group):
+                return
+        gathered = [torch.empty_like(words) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(gathered, words, group=group)
+        raise RuntimeError(different_data_message(kind, count, gathered, self.layout))
+
+
+def different_data_message(kind: str, index: int, words: list[Tensor], layout: StageLayout) -> str:
+    """Which pipeline ranks got another batch than pipeline rank 0, in what, and the usual causes and fixes."""
+    aspects = ("structure (nesting, keys, shapes, dtypes)", "values", "row order")
+    others = []
+    for rank, mine in enumerate(words[1:], start=1):
+        unequal = [aspects[i] for i in range(3) if mine[i] != words[0][i]]
+        if unequal:
+            stages = ", ".join(str(s) for s in layout.rank_stages(rank))
+            others.append(f"pipeline rank {rank} (stage {stages}) differs in its {' and '.join(unequal)}")
+    return (
+        f"PipelineStrategy: the stages of one pipeline were given different {kind} batches (batch {index} of this"
+        f" run): compared with pipeline rank 0 (stage {layout.rank_stages(0)[0]}), " + "; ".join(others) + "."
+        " Every stage loads the data itself, so every process of a pipeline must draw the same batches in the same"
+        " order. Usual causes: a sampler, `generator` or `worker_init_fn` seeded per process (seed it the same on"
+        " every rank, e.g. `DataLoader(..., generator=torch.Generator().manual_seed(0))`); an `IterableDataset`"
+        " that shards or shuffles by global rank (shard by `trainer.strategy.data_parallel_rank` and"
+        " `data_parallel_size` instead: the stages of one pipeline share a data-parallel rank); random augmentation"
+        " drawn from each process's random state (draw it from a generator seeded per data-parallel rank)."
+        " `PipelineStrategy(check_data_every_n_batches=None)` turns this check off."
+    )

@@ -358,7 +358,7 @@ def test_a_pass_given_back_what_stages_computed_in_parts_is_refused() -> None:
 
     from lightning_pipe import BackboneCallError
     from lightning_pipe._ghost import ghost_of
-    from lightning_pipe._step.generation import _check_no_ghosts
+    from lightning_pipe._step.pass_inputs import check_no_ghosts as _check_no_ghosts
 
     def forward(input_ids: torch.Tensor, mems: Any = None, past_key_values: Any = None) -> None: ...
 
@@ -375,7 +375,7 @@ def test_multimodal_rotary_positions_are_cut_by_their_rows() -> None:
     """Qwen2-VL and its kin: ``generate()`` passes ``position_ids`` of ``[3 or 4, batch, length]``; a microbatch gets
     its own rows of them, in the second dimension (its keys, values and masks in the first)."""
     from lightning_pipe._step.caches import BlockStates, PassCaches
-    from lightning_pipe._step.generation import _PassInputs
+    from lightning_pipe._step.pass_inputs import PassInputs as _PassInputs
 
     def forward(input_ids: torch.Tensor, position_ids: torch.Tensor) -> None: ...
 

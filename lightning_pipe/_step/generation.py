@@ -34,7 +34,6 @@ rows are not the batch's (beam search: each prompt made into its beams before th
 from __future__ import annotations
 
 import functools
-import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -43,26 +42,18 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
+from torch.utils._pytree import tree_leaves
 
 from lightning_pipe import _watchdog
 from lightning_pipe._compat.torch import Swaps
 from lightning_pipe._errors import BackboneCallError
-from lightning_pipe._ghost import Ghost, GhostValueError, contains_ghost
+from lightning_pipe._ghost import GhostValueError, contains_ghost
 from lightning_pipe._model.calls import rows_dim, slice_batch
-from lightning_pipe._model.flow import Flow
+from lightning_pipe._step.answers import Failed, describe_answer, rebuild_answer
 from lightning_pipe._step.caches import BlockStates, PassCaches, is_cache
 from lightning_pipe._step.partial import PartialPasses
-
-#: Keyword arguments of a pass that are never split by rows, even when their length equals the batch size (a prompt
-#: of as many tokens as there are prompts): Hugging Face's and litgpt's positions of the new tokens.
-_NOT_BATCHED = frozenset({"cache_position", "input_pos", "input_pos_maxp1"})
-#: Keyword arguments of a pass whose rows are not their first dimension, by name: (their number of dimensions, the
-#: rows' dimension). Multimodal rotary positions (Qwen2-VL, Qwen3-VL, Qwen3.5 and their kin) are ``position_ids`` of
-#: ``[3 or 4, batch, length]``, which ``generate()`` passes to every call; a microbatch given all the batch's rows of
-#: them would meet its own rows' queries with the whole batch's angles.
-_ROWS_DIM = {"position_ids": (3, 1)}
-_PRIMITIVE = (type(None), bool, int, float, str)
+from lightning_pipe._step.pass_inputs import PassInputs, call_with, check_caches, check_no_ghosts, pass_kind
+from lightning_pipe._step.random_state import random_state_of, set_random_state
 
 
 @dataclass(frozen=True)
@@ -226,7 +217,7 @@ class LockStep:
                 try:
                     answer = forward(*args, **kwargs)
                 except Exception as err:  # every rank raises it, instead of waiting for the answer
-                    failed, answer = err, _Failed(f"{type(err).__name__}: {err}")
+                    failed, answer = err, Failed(f"{type(err).__name__}: {err}")
             result = self._share(answer, (args, kwargs), stage)
             if failed is not None:
                 raise failed
@@ -238,13 +229,13 @@ class LockStep:
         """One call of ``module`` through the pipeline; returns the answer stage's result on every rank."""
         runtime = self.runtime
         program, pipeline = runtime.program, runtime.pipeline
-        call = functools.partial(_call, module)
-        _check_caches(args, kwargs)
-        _check_no_ghosts(module, args, kwargs)
+        call = functools.partial(call_with, module)
+        check_caches(args, kwargs)
+        check_no_ghosts(module, args, kwargs)
         first, shape = program.first_call_of(call, (args, kwargs))
         batch_size = program.rows_of(shape, (args, kwargs))
         num_microbatches = runtime.microbatches.for_batch(batch_size)
-        inputs = _PassInputs(module, args, kwargs, batch_size, self.caches, states=self.states)
+        inputs = PassInputs(module, args, kwargs, batch_size, self.caches, states=self.states)
         for value in (*args, *kwargs.values()):
             if is_cache(value):  # on every rank, also where no stage runs this call's blocks
                 self.caches.adopt(value)
@@ -262,7 +253,7 @@ class LockStep:
                 with program.holding(call, inputs, batch_size):
                     sample = program.sub_batch(torch.arange(batch_size // num_microbatches))
                     output = pipeline.eval_step(sample, batch_size, num_microbatches, rows_dim=program.rows_dim,
-                                                kind=_kind(flow, inputs))
+                                                kind=pass_kind(flow, inputs))
             finally:
                 self.states.end()
             if answering:
@@ -272,7 +263,7 @@ class LockStep:
                     answer = program.run_answering(output, call, (args, kwargs))
                 except Exception as err:  # every rank raises it, instead of waiting for the answer
                     failed = err
-                    answer = _Failed(f"{type(err).__name__}: {err}")
+                    answer = Failed(f"{type(err).__name__}: {err}")
         result = self._share(answer, (args, kwargs), answer_stage)
         if failed is not None:
             raise failed
@@ -290,19 +281,19 @@ class LockStep:
         header: list[Any] = [None]
         tensors: list[Tensor] = []
         if mine:
-            header[0], tensors = _describe(answer, input_leaves)
+            header[0], tensors = describe_answer(answer, input_leaves)
         if runtime.layout.pipeline_size == 1:
-            return None if isinstance(answer, _Failed) else _rebuild(*header[0], tensors, input_leaves, device)
+            return None if isinstance(answer, Failed) else rebuild_answer(*header[0], tensors, input_leaves, device)
         what = f"the model's output from stage {stage} (pipeline rank {src}), in a decoding step"
         with _watchdog.waiting(lambda: what):
             dist.broadcast_object_list(header, group_src=src, group=group)
             spec, kinds = header[0]
-            if isinstance(spec, _Failed):  # the answering stage raises its own error, the others this one
+            if isinstance(spec, Failed):  # the answering stage raises its own error, the others this one
                 if not mine and stage != runtime.layout.num_stages - 1:
                     raise BackboneCallError(
                         f"Pipeline stage {stage} (pipeline rank {src}) failed in a generation pass: {spec.message}"
                     )
-                return None if mine else _rebuild(spec, kinds, [], input_leaves, device)
+                return None if mine else rebuild_answer(spec, kinds, [], input_leaves, device)
             received = []
             for kind in kinds:
                 if kind[0] != "tensor":
@@ -313,7 +304,7 @@ class LockStep:
                     buffer = torch.empty(kind[1], dtype=kind[2], device=device)
                 dist.broadcast(buffer, group_src=src, group=group)
                 received.append(buffer)
-        return _rebuild(spec, kinds, received, input_leaves, device)
+        return rebuild_answer(spec, kinds, received, input_leaves, device)
 
     def _sync_random_state(self) -> None:
         """Every rank of the pipeline takes the last stage's random state (sampling draws the same tokens)."""
@@ -329,191 +320,6 @@ class LockStep:
                 dist.broadcast(moved, group_src=src, group=group)
                 states[i] = moved.cpu()
         set_random_state(states, device)
-
-
-def random_state_of(device: torch.device) -> list[Tensor]:
-    """torch's random state on the host, and on ``device`` when it is a GPU."""
-    states = [torch.get_rng_state()]
-    if device.type == "cuda":
-        states.append(torch.cuda.get_rng_state(device))
-    return states
-
-
-def set_random_state(states: list[Tensor], device: torch.device) -> None:
-    torch.set_rng_state(states[0])
-    if device.type == "cuda":
-        torch.cuda.set_rng_state(states[1], device)
-
-
-@dataclass(frozen=True)
-class _Failed:
-    message: str
-
-
-class _PassInputs:
-    """A pass's arguments; :meth:`lp_rows` gives a microbatch's (``StepProgram.sub_batch`` calls it)."""
-
-    def __init__(
-        self, module: nn.Module, args: tuple, kwargs: dict, batch_size: int, caches: PassCaches, states: BlockStates
-    ) -> None:
-        self.args, self.kwargs, self.batch_size, self.caches, self.states = args, kwargs, batch_size, caches, states
-        self.names = _positional_names(module, len(args))
-
-    def lp_rows(self, start: int, stop: int, probing: Optional[str]) -> tuple[tuple, dict]:
-        def cut(value: Any, name: Any = None) -> Any:
-            if is_cache(value):
-                return self.caches.for_rows(value, start, stop, probing)
-            if name in _NOT_BATCHED:
-                return value
-            if _rows_not_first(name, value, self.batch_size):
-                return value.narrow(_ROWS_DIM[name][1], start, stop - start)
-            return slice_batch(value, self.batch_size, start, stop)
-
-        self.states.rows(start, stop, probing)
-        args = tuple(cut(a, name) for a, name in zip(self.args, self.names))
-        return args, {k: cut(v, k) for k, v in self.kwargs.items()}
-
-
-def _rows_not_first(name: Any, value: Any, batch_size: int) -> bool:
-    """Whether ``value``, passed as ``name``, holds the batch's rows in a dimension other than its first."""
-    if name not in _ROWS_DIM or not isinstance(value, Tensor):
-        return False
-    dims, dim = _ROWS_DIM[name]
-    return value.dim() == dims and value.shape[dim] == batch_size
-
-
-def _kind(flow: Optional[Flow], inputs: _PassInputs) -> Optional[tuple]:
-    """What the stage shapes of a partial pass depend on besides its inputs' shapes ([Note: partial passes]): its
-    blocks, and, when its stages carry more than the hidden state, how many passes its caches have seen (T5's decoder
-    carries its position bias, as wide as the cache plus the new tokens, in every decoding step's same-shaped call;
-    the cache's length is not known on the stages without the decoder's blocks)."""
-    ages = inputs.caches.ages([v for v in (*inputs.args, *inputs.kwargs.values()) if is_cache(v)])
-    if flow is None:
-        return None
-    assert flow.blocks is not None
-    kind: tuple = (flow.blocks.start, flow.blocks.stop)
-    return kind + ages if flow.carries_more_than_hidden() else kind
-
-
-def _positional_names(module: nn.Module, count: int) -> list[Optional[str]]:
-    """The parameter names of ``module``'s forward that its first ``count`` positional arguments bind to (litgpt
-    passes ``input_pos`` positionally)."""
-    try:
-        parameters = list(inspect.signature(module.forward).parameters.values())
-    except (TypeError, ValueError):
-        return [None] * count
-    names: list[Optional[str]] = []
-    for p in parameters:
-        if p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
-            break
-        names.append(p.name)
-    return (names + [None] * count)[:count]
-
-
-def _call(module: nn.Module, inputs: tuple[tuple, dict]) -> Any:
-    args, kwargs = inputs
-    return module(*args, **kwargs)
-
-
-def _check_caches(args: tuple, kwargs: dict) -> None:
-    """A cache inside a container would reach every microbatch whole: refused."""
-    for value in (*args, *kwargs.values()):
-        if is_cache(value):
-            continue
-        for leaf in tree_leaves(value):
-            if is_cache(leaf):
-                raise BackboneCallError(
-                    f"A generation pass got a key-value cache ({type(leaf).__name__}) inside a container."
-                    " `PipelineStrategy` splits a cache passed as an argument of the model call itself (as"
-                    " `generate()` passes `past_key_values`): pass it as its own argument."
-                )
-
-
-def _check_no_ghosts(module: nn.Module, args: tuple, kwargs: dict) -> None:
-    """A pass given back a value an earlier pass returned that no rank holds whole (each stage computed its own
-    layers' part: XLNet's ``mems``, a per-layer memory ``generate()`` passes back as a cache) would run on it: refused,
-    on every rank alike (each got the same answer), before anything is sent."""
-    names = _positional_names(module, len(args))
-    for name, value in [*zip(names, args), *kwargs.items()]:
-        if is_cache(value) or not contains_ghost(value):
-            continue
-        raise BackboneCallError(
-            f"A generation pass got `{name or 'a positional argument'}` back from an earlier pass, which the pipeline"
-            " stages compute in parts (each stage its own layers'), so no rank holds it whole. Under `PipelineStrategy`"
-            " a decoding loop may carry the model's tokens, logits and a `Cache` object (`DynamicCache`, which each"
-            " stage fills for its own layers) from one call to the next. Generate without this value (XLNet:"
-            " `use_mems=False`), or without `PipelineStrategy`."
-        )
-
-
-def _describe(answer: Any, input_leaves: list[Any]) -> tuple[tuple[Any, list[tuple]], list[Tensor]]:
-    """The header of the last stage's answer (its tree, and per leaf: a tensor's shape and dtype, an input's
-    position, or a plain value) and its tensors."""
-    if isinstance(answer, _Failed):
-        return (answer, []), []
-    leaves, spec = tree_flatten(answer)
-    kinds: list[tuple] = []
-    tensors: list[Tensor] = []
-    for leaf in leaves:
-        if isinstance(leaf, Ghost):  # a part of the output the last stage does not compute (an encoder's output):
-            kinds.append(("ghost", tuple(leaf.shape), leaf.dtype))  # a ghost on every rank, that raises when read
-            continue
-        if isinstance(leaf, Tensor):
-            tensors.append(leaf.detach().contiguous())
-            kinds.append(("tensor", tuple(leaf.shape), leaf.dtype))
-            continue
-        position = next((i for i, x in enumerate(input_leaves) if x is leaf), None)
-        if position is not None:
-            kinds.append(("input", position))
-        elif isinstance(leaf, _PRIMITIVE):
-            kinds.append(("value", leaf))
-        elif is_cache(leaf):  # made inside the call (a forward without a cache given): only its last stage's part
-            kinds.append(("unavailable", type(leaf).__name__))
-        else:
-            return (_Failed(
-                f"the model call returns a {type(leaf).__name__} it created; under `PipelineStrategy` a decoding step"
-                " may return tensors, plain values and the objects it was given. Create the cache before the loop"
-                " and pass it in (`past_key_values=DynamicCache(...)`), as `generate()` does"
-            ), []), []
-    return (spec, kinds), tensors
-
-
-def _rebuild(spec: Any, kinds: list[tuple], tensors: list[Tensor], input_leaves: list[Any],
-             device: torch.device) -> Any:
-    if isinstance(spec, _Failed):
-        raise BackboneCallError(f"The last pipeline stage failed in a generation pass: {spec.message}")
-    leaves, taken = [], iter(tensors)
-    for kind in kinds:
-        if kind[0] == "tensor":
-            leaves.append(next(taken))
-        elif kind[0] == "input":
-            leaves.append(input_leaves[kind[1]])
-        elif kind[0] == "ghost":
-            leaves.append(Ghost(torch.empty(kind[1], dtype=kind[2], device="meta"), device, "the last stage"))
-        elif kind[0] == "unavailable":
-            leaves.append(_Unavailable(kind[1]))
-        else:
-            leaves.append(kind[1])
-    return tree_unflatten(leaves, spec)
-
-
-class _Unavailable:
-    """A cache a pipelined call made itself and returned: each stage filled its own part of a copy of its own, so
-    there is no whole one to return. Any use of it raises."""
-
-    def __init__(self, kind: str) -> None:
-        self._kind = kind
-
-    def __getattr__(self, name: str) -> Any:
-        raise BackboneCallError(
-            f"This {self._kind} was created inside a call of the pipelined model, which returns it; under"
-            " `PipelineStrategy` each stage holds its own layers' part of it, so it cannot be used after the call."
-            " To decode with a cache, create it before the loop and pass it in (`past_key_values=DynamicCache(...)`,"
-            " as `generate()` does)."
-        )
-
-    def __repr__(self) -> str:
-        return f"<{self._kind} held by the pipeline stages>"
 
 
 def _name(step: Callable[..., Any]) -> str:

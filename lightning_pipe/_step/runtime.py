@@ -46,7 +46,7 @@ from lightning_pipe import timeline as _timeline
 from lightning_pipe._compat.torch import fsdp_hooks_suspended
 from lightning_pipe._compiled import compiled_stages, whole_backward_warning
 from lightning_pipe._errors import BackboneCallError, not_computed_by_last_stage
-from lightning_pipe._fingerprint import differs, fingerprint
+from lightning_pipe._fingerprint import SameDataCheck
 from lightning_pipe._ghost import Ghost, GhostValueError, contains_ghost
 from lightning_pipe._lightning.callbacks import align_param_groups
 from lightning_pipe._lightning.log import LogChannel, LogRecorder, replay
@@ -62,14 +62,16 @@ from lightning_pipe._model.shard import StageSharding
 from lightning_pipe._model.structure import everything_ghosted
 from lightning_pipe._model.untouched import untouched
 from lightning_pipe._step.auto import Choice, Trial, describe_choice
-from lightning_pipe._step.generation import Generates, LockStep, StepFailed, random_state_of, set_random_state
+from lightning_pipe._step.generation import Generates, LockStep, StepFailed
 from lightning_pipe._step.gradients import Gradients
 from lightning_pipe._step.last_backward import ReductionOverlap
 from lightning_pipe._step.loss_weights import LossWeighing, warn_unweighted, whole
 from lightning_pipe._step.microbatches import MicrobatchPolicy
 from lightning_pipe._step.pipeline import StageModule, StagePipeline
 from lightning_pipe._step.program import StepProgram
+from lightning_pipe._step.random_state import random_state_of, set_random_state
 from lightning_pipe._step.sharded import ShardedStages
+from lightning_pipe._step.traced_step import StepTimeline
 from lightning_pipe.partition import StageLayout
 from lightning_pipe.schedules import Config
 
@@ -91,7 +93,7 @@ class PipelineRuntime:
         amp_scaler: the precision plugin's ``GradScaler``, if any: the microbatch losses are scaled by it.
         timeline: what ``timeline=`` traces, or ``None``.
         check_data_every: compare the batch's fingerprint over the pipeline on the first 3 batches of training and
-            of evaluation, and on every ``check_data_every``-th after (:meth:`_check_same_data`); ``None``: never.
+            of evaluation, and on every ``check_data_every``-th after (``SameDataCheck``); ``None``: never.
         sharding: this rank's FSDP units when the stages are sharded over their replicas ([Note: sharded stages]).
         scale_group: a second group over this rank's pipeline, which carries each step's loss weight to every stage
             during the schedule ([Note: overlapped reductions]); ``None`` with one process per pipeline.
@@ -124,8 +126,7 @@ class PipelineRuntime:
         sharding = ShardedStages.of(sharding) if sharding is not None else None  # with its per-batch calls
         self.module = module
         self.sharding = sharding
-        self.check_data_every = check_data_every
-        self._batches_checked = {"training": 0, "evaluation": 0}
+        self.same_data = SameDataCheck(check_data_every, pp_group, cut.layout, device)
         self.cut = cut
         self.config = config
         self.schedule = schedule = config.spec
@@ -134,7 +135,7 @@ class PipelineRuntime:
         self.device = device
         self.dp_group = dp_group
         self.amp_scaler = amp_scaler
-        self.timeline = timeline
+        self.timeline = StepTimeline(timeline, pp_group, device) if timeline is not None else None
         layout = cut.layout
         rank = dist.get_rank(pp_group)
         bounds = {s: layout.bounds[s] for s in layout.rank_stages(rank)}
@@ -162,7 +163,6 @@ class PipelineRuntime:
         channel = (pp_group, self.pipeline.last_stage_rank, layout.pipeline_size, device)
         self._train_channel, self._eval_channel = LogChannel(*channel), LogChannel(*channel)
         self.gradients = Gradients(module, replicas, tie_groups, sharding, tensor_group)
-        self._timeline_done = False
         self._trainable_checked: Optional[int] = None
         self._mean_warned = False
         self.lock_step = LockStep(self)  # evaluation steps that generate ([Note: lock step])
@@ -252,7 +252,7 @@ class PipelineRuntime:
     def _train_batch(self, batch: Any, *rest: Any, **kwargs: Any) -> Tensor:
         module, program, pipeline = self.module, self.program, self.pipeline
         self._check_trainable()
-        self._check_same_data("training", batch, rest, kwargs)
+        self.same_data("training", batch, rest, kwargs)
         step = module.training_step
         batch_size = program.batch_size_of(step, batch, *rest, **kwargs)
         num_microbatches = self.microbatches.for_batch(batch_size)
@@ -281,7 +281,7 @@ class PipelineRuntime:
             loss = loss * (factor * grad_scale) if factor else first.sum() * 0.0
             return self.amp_scaler.scale(loss) if self.amp_scaler is not None else loss
 
-        tracer = self._timeline_recorder()
+        tracer = self.timeline.recorder(module.trainer) if self.timeline is not None else None
         metrics = module_metrics(module) if pipeline.has_last_stage else []  # only the last stage runs the step
         with program.holding(step, batch, batch_size, *rest, **kwargs):
             sample = program.sub_batch(torch.arange(batch_size // num_microbatches))
@@ -302,7 +302,8 @@ class PipelineRuntime:
         self.gradients.synchronise(float(scale), tracer.collective if tracer is not None else None, self.overlap)
         replay(module, entries, self.device, self.dp_group)
         if tracer is not None:
-            self._report_timeline(tracer)
+            assert self.timeline is not None
+            self.timeline.report(tracer, module.trainer, self.schedule, self.layout, self.pipeline.shape_stats)
         return loss.to(self.device)
 
     # ------------------------------------------------------------------------------------------------ evaluation
@@ -311,7 +312,7 @@ class PipelineRuntime:
         every rank."""
         module, program, pipeline = self.module, self.program, self.pipeline
         batch, *rest = args
-        self._check_same_data("evaluation", batch, rest, kwargs)
+        self.same_data("evaluation", batch, rest, kwargs)
         if self.lock_step.generates(step):  # [Note: lock step]
             return self._generate(step, *args, **kwargs)
         batch_size = program.batch_size_of(step, *args, **kwargs)
@@ -451,30 +452,6 @@ class PipelineRuntime:
         rank = self.pipeline.last_stage_rank
         return _watchdog.waiting(lambda: f"the step's loss and logs from the last stage (pipeline rank {rank})")
 
-    def _check_same_data(self, kind: str, batch: Any, rest: Sequence[Any], kwargs: dict[str, Any]) -> None:
-        """Fail on every rank if the stages of this pipeline were not given the same batch.
-
-        Every stage loads its own data; a loader whose order depends on the process (a sampler or generator seeded
-        per process, an iterable dataset with per-process state, random augmentation) feeds the stages different
-        samples, and the pipeline would train on a mix of them without any error. The first 3 batches of training
-        and of evaluation and every ``check_data_every``-th after are compared: a fingerprint (shapes, values, row
-        order; :mod:`~lightning_pipe._fingerprint`) and one small all-reduce over the pipeline group.
-        """
-        every, group = self.check_data_every, self.pipeline.group
-        if every is None or self.layout.pipeline_size == 1:
-            return
-        count = self._batches_checked[kind]
-        self._batches_checked[kind] = count + 1
-        if count >= 3 and count % every:
-            return
-        words = fingerprint((batch, list(rest), kwargs), self.device)
-        with _watchdog.waiting(lambda: "the other pipeline ranks' batch fingerprints (the same-data check)"):
-            if not differs(words, group):
-                return
-        gathered = [torch.empty_like(words) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(gathered, words, group=group)
-        raise RuntimeError(_different_data_message(kind, count, gathered, self.layout))
-
     def _sync_buffers(self) -> None:
         """With several replicas, start each batch from replica 0's buffers (BatchNorm statistics), as DDP does."""
         if dist.get_world_size(self.dp_group) == 1:
@@ -482,67 +459,8 @@ class PipelineRuntime:
         for buffer in self.module.buffers():
             dist.broadcast(buffer, group_src=0, group=self.dp_group)
 
-    def _timeline_recorder(self) -> Optional[_timeline.TimelineRecorder]:
-        """A recorder if this is the batch ``timeline=`` asks for: the first one of that ``global_step``."""
-        options = self.timeline
-        if options is None or self._timeline_done or self.module.trainer.global_step != options.step:
-            return None
-        self._timeline_done = True
-        return _timeline.TimelineRecorder(self.pipeline.group, self.device)
-
-    def _report_timeline(self, recorder: _timeline.TimelineRecorder) -> None:
-        """Global rank 0 writes the trace and logs the bubble and busy times. Every rank calls it (collectives)."""
-        assert self.timeline is not None
-        trainer = self.module.trainer
-        dirpath = self.timeline.dirpath or trainer.log_dir or trainer.default_root_dir  # log_dir broadcasts
-        write = trainer.is_global_zero
-        summary = _timeline.report(recorder.events, self.pipeline.group, dirpath, write=write, png=self.timeline.png)
-        if summary is None or not write:
-            return
-        metrics = _timeline.timeline_metrics(summary)
-        ideal = ""
-        if self.schedule.textbook_bubble:
-            value = _timeline.ideal_bubble_fraction(
-                self.layout.pipeline_size, summary["num_microbatches"], self.layout.stages_per_rank
-            )
-            metrics["timeline/ideal_bubble_fraction"] = value
-            ideal = f" (ideal {value:.1%})"
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.global_step)
-        shapes = self.pipeline.shape_stats
-        rank_zero_info(
-            f"PipelineStrategy timeline of step {trainer.global_step}: measured bubble {summary['bubble_fraction']:.1%}"
-            f"{ideal} over {summary['span_s'] * 1e3:.1f} ms; wrote {', '.join(summary['files']) or 'nothing'}."
-            f" Microbatch shapes met so far: {shapes.shapes} ({shapes.built} schedules built in"
-            f" {shapes.build_seconds * 1e3:.0f} ms, {shapes.evicted} evicted, {shapes.kept} kept)"
-        )
-
-
 def _ghost_result(step: Callable[..., Any]) -> Exception:
     name = getattr(step, "__name__", "the step")
     return BackboneCallError(not_computed_by_last_stage(
         f"`{name}` returns values", "Return values computed from the backbone's output and the batch."
     ))
-
-
-def _different_data_message(kind: str, index: int, words: list[Tensor], layout: StageLayout) -> str:
-    """Which pipeline ranks got another batch than pipeline rank 0, in what, and the usual causes and fixes."""
-    aspects = ("structure (nesting, keys, shapes, dtypes)", "values", "row order")
-    others = []
-    for rank, mine in enumerate(words[1:], start=1):
-        unequal = [aspects[i] for i in range(3) if mine[i] != words[0][i]]
-        if unequal:
-            stages = ", ".join(str(s) for s in layout.rank_stages(rank))
-            others.append(f"pipeline rank {rank} (stage {stages}) differs in its {' and '.join(unequal)}")
-    return (
-        f"PipelineStrategy: the stages of one pipeline were given different {kind} batches (batch {index} of this"
-        f" run): compared with pipeline rank 0 (stage {layout.rank_stages(0)[0]}), " + "; ".join(others) + "."
-        " Every stage loads the data itself, so every process of a pipeline must draw the same batches in the same"
-        " order. Usual causes: a sampler, `generator` or `worker_init_fn` seeded per process (seed it the same on"
-        " every rank, e.g. `DataLoader(..., generator=torch.Generator().manual_seed(0))`); an `IterableDataset`"
-        " that shards or shuffles by global rank (shard by `trainer.strategy.data_parallel_rank` and"
-        " `data_parallel_size` instead: the stages of one pipeline share a data-parallel rank); random augmentation"
-        " drawn from each process's random state (draw it from a generator seeded per data-parallel rank)."
-        " `PipelineStrategy(check_data_every_n_batches=None)` turns this check off."
-    )
-
