@@ -18,7 +18,7 @@ the rest.
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NoReturn, Optional
 
 import torch
 from torch.utils._pytree import tree_any, tree_map
@@ -79,14 +79,16 @@ class Ghost(torch.Tensor):
     def __deepcopy__(self, memo: dict) -> Ghost:
         return Ghost(copy.deepcopy(self._meta, memo), self.device, self._origin)
 
-    def __reduce_ex__(self, protocol: Any) -> Any:
+    def __reduce_ex__(self, protocol: int) -> NoReturn:
         raise GhostValueError(
             f"{self!r} cannot be saved: this process does not hold its value (it belongs to another pipeline stage)."
         )
 
     @classmethod
     @torch.compiler.disable
-    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+    def __torch_dispatch__(
+        cls, func: Any, types: tuple[type, ...], args: tuple = (), kwargs: Optional[dict] = None
+    ) -> Any:
         kwargs = kwargs or {}
         ghosts = [a for a in _leaves((args, kwargs)) if isinstance(a, Ghost)]
         first = ghosts[0]
@@ -155,7 +157,7 @@ def _masks_as_positions(args: tuple) -> tuple:
     the batch) became their positions, as torch's own kernels do first: the ghost it gives has the real shape. A mask
     that is itself a ghost has no values to count: that reads a value (:class:`GhostValueError`)."""
     tensor, indices, *rest = args
-    positions: list[Any] = []
+    positions: list[Optional[torch.Tensor]] = []
     for index in indices:
         if isinstance(index, torch.Tensor) and index.dtype in (torch.bool, torch.uint8):
             if isinstance(index, Ghost):
@@ -171,7 +173,7 @@ def _masks_as_positions(args: tuple) -> tuple:
 
 
 #: Meta-device stand-ins for operations whose meta kernel refuses what the real device computes.
-_META_STAND_INS: dict[Any, Callable[..., Any]] = {torch.ops.aten._grouped_mm.default: _grouped_mm}
+_META_STAND_INS: dict[Any, Callable[..., torch.Tensor]] = {torch.ops.aten._grouped_mm.default: _grouped_mm}
 
 
 def _leaves(tree: Any) -> list:

@@ -54,7 +54,7 @@ AVERAGE_MODEL_STATE = "average_model_state"
 
 # ------------------------------------------------------------------------------------------------ after the cut
 def after_cut(
-    callbacks: list[Any], module: nn.Module, *, tied: set[int], group: dist.ProcessGroup, device: torch.device
+    callbacks: list[pl.Callback], module: nn.Module, *, tied: set[int], group: dist.ProcessGroup, device: torch.device
 ) -> None:
     """Retake what callbacks took from the whole module in ``setup``, now from this rank's share.
 
@@ -91,7 +91,7 @@ def _prune_own_share(
     own = [(i, m, n) for i, (m, n) in enumerate(pairs) if _registered(m, n) is not None]
     shared = [n for _, m, n in own if id(_registered(m, n)) in tied]
     if dist.get_world_size(group) > 1:  # every rank raises, not only those holding a tie
-        every: list[Any] = [None] * dist.get_world_size(group)
+        every: list[Optional[list[str]]] = [None] * dist.get_world_size(group)
         dist.all_gather_object(every, shared, group=group)
         shared = sorted({n for names in every for n in names})
     if shared:
@@ -188,7 +188,10 @@ def global_l1_unstructured(
 
 # ------------------------------------------------------------------------------------------------ optimizers
 def align_param_groups(
-    optimizers: list[torch.optim.Optimizer], group: dist.ProcessGroup, device: torch.device, callbacks: list[Any] = ()
+    optimizers: list[torch.optim.Optimizer],
+    group: dist.ProcessGroup,
+    device: torch.device,
+    callbacks: list[pl.Callback] = (),
 ) -> None:
     """Give every rank of the pipeline the same number of parameter groups per optimizer.
 
@@ -307,7 +310,7 @@ def before_restore(trainer: Optional[pl.Trainer], checkpoint: dict[str, Any], mo
                     ]
 
 
-def after_restore(callbacks: list[Any]) -> None:
+def after_restore(callbacks: list[pl.Callback]) -> None:
     """After Lightning restored the callbacks' state (training starts): ``BaseFinetuning``'s groups are in place."""
     for callback in callbacks:
         if isinstance(callback, BaseFinetuning):

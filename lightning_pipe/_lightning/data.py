@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 
-def sampler_kwargs(data_parallel_size: int, data_parallel_rank: int) -> dict[str, Any]:
+def sampler_kwargs(data_parallel_size: int, data_parallel_rank: int) -> dict[str, int]:
     """The arguments of the distributed sampler Lightning puts on the loaders: every stage of one pipeline must see
     the same batch, so the sampler splits over replicas only."""
     return {"num_replicas": data_parallel_size, "rank": data_parallel_rank}

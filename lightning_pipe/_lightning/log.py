@@ -17,7 +17,7 @@ import inspect
 import numbers
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -48,7 +48,8 @@ class LogRecorder:
         self.values: dict[str, list[Any]] = {}
         self.options: dict[str, dict[str, Any]] = {}
         self.batch_sizes: dict[str, list[int]] = {}
-        self.weights: dict[str, list[Any]] = {}  # what each value weighs in the merge: its batch size, or its count
+        #: what each value weighs in the merge: its batch size, or its count
+        self.weights: dict[str, list[Union[int, torch.Tensor]]] = {}
         self.rows = 0  # size of the (micro)batch the step is running on
         self._this_microbatch: list[str] = []
 
@@ -84,7 +85,7 @@ class LogRecorder:
 
     def reduce(
         self, module: LightningModule, metrics: Optional[list[tuple[str, Metric]]] = None
-    ) -> list[tuple[str, Any, dict[str, Any]]]:
+    ) -> list[tuple[str, Union[torch.Tensor, _MetricRef, _MetricStates], dict[str, Any]]]:
         """One ``(name, value, options)`` per key, values reduced over microbatches.
 
         Tensors and numbers become Python floats (or a float list for non-scalars) so they travel cheaply; a
@@ -171,7 +172,7 @@ class _MetricStates:
         return hash(self.templates)
 
 
-def _weighted_mean(name: str, values: list[Any], weights: list[int]) -> torch.Tensor:
+def _weighted_mean(name: str, values: list[Any], weights: list[Union[int, torch.Tensor]]) -> torch.Tensor:
     tensors = []
     for v in values:
         if isinstance(v, Ghost):
@@ -214,7 +215,7 @@ class LogChannel:
     def __init__(self, group: Optional[dist.ProcessGroup], src: int, size: int, device: torch.device) -> None:
         self.group, self.src, self.size, self.device = group, src, size, device
         self._signature: Optional[tuple] = None
-        self._in_flight: Optional[tuple[Any, torch.Tensor]] = None  # the source's last send and its buffer
+        self._in_flight: Optional[tuple[dist.Work, torch.Tensor]] = None  # the source's last send and its buffer
 
     def share(self, payload: Optional[tuple[Any, list]]) -> tuple[Any, list]:
         """``payload`` is ``(result, entries)`` on the source rank and ``None`` elsewhere."""
@@ -343,7 +344,7 @@ def _to_cpu(obj: Any) -> Any:
 
 def replay(
     module: LightningModule,
-    entries: list[tuple[str, Any, dict[str, Any]]],
+    entries: list[tuple[str, Union[torch.Tensor, _MetricRef, _MetricStates], dict[str, Any]]],
     device: torch.device,
     replica_group: Optional[dist.ProcessGroup],
 ) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Optional, Union
 
 import torch
 from torchmetrics import Metric
@@ -115,7 +115,9 @@ def _put_back(metric: Metric, kept: _Stashed) -> None:
     metric._to_sync, metric._should_unsync, metric._is_synced, metric._cache = flags
 
 
-def _sync_flags(metric: Metric) -> tuple[Any, ...]:
+def _sync_flags(
+    metric: Metric,
+) -> tuple[bool, bool, bool, Optional[dict[str, Union[list[torch.Tensor], torch.Tensor]]]]:
     """The flags ``Metric.forward`` and ``sync`` change: a ``forward`` interrupted by an error leaves them changed,
     and the metric would then skip its sync in ``compute``, on this rank only."""
     return metric._to_sync, metric._should_unsync, metric._is_synced, metric._cache

@@ -33,6 +33,7 @@ from lightning_pipe._subclass import copy_with_mixin
 if TYPE_CHECKING:
     import lightning.pytorch as pl
     from lightning.fabric.utilities.types import Optimizable
+    from torch.distributed.device_mesh import DeviceMesh
 
 
 class PipelinePrecision:
@@ -91,7 +92,7 @@ def global_grad_norm(
     sharded = [g for g in grads if isinstance(g, DTensor)]
     plain = [g for g in grads if not isinstance(g, DTensor)]
     parts = [torch.nn.utils.get_total_norm(plain, norm_type=norm_type).float()] if plain else []
-    by_mesh: dict[Any, list[torch.Tensor]] = {}
+    by_mesh: dict[DeviceMesh, list[torch.Tensor]] = {}
     for g in sharded:  # by mesh: sharded over the replicas, over the tensor ranks, or both
         by_mesh.setdefault(g.device_mesh, []).append(g)
     for grads_on_mesh in by_mesh.values():  # the norm over every shard: a collective over the mesh

@@ -8,7 +8,7 @@ run ``example_input_array`` through the model: each rank holds only its stages (
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from lightning.pytorch.callbacks import ModelSummary as ModelSummaryCallback
 from lightning.pytorch.utilities.model_summary import LayerSummary, ModelSummary
@@ -71,7 +71,7 @@ class _WholeModelSummary:
         return PipelineModelSummary(pl_module, self._lp_counts, max_depth=self._max_depth)
 
 
-def summarize_whole_model(callbacks: list[Any], counts: Counts) -> list[Any]:
+def summarize_whole_model(callbacks: list[pl.Callback], counts: Counts) -> list[pl.Callback]:
     """``callbacks`` with each ``ModelSummary`` callback replaced by a copy that summarises the whole model (its class
     named like the user's: :mod:`lightning_pipe._subclass`)."""
     result = []

@@ -26,7 +26,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -171,12 +171,12 @@ class Cut:
             found[reg.key] = (reg.key, ranks | self.ranks_of(reg), source)
         return [found_tie for found_tie in found.values() if len(found_tie[1]) > 1]
 
-    def window_swaps(self, rank: int) -> dict[Any, list[tuple[nn.Module, str, str]]]:
+    def window_swaps(self, rank: int) -> dict[Union[int, str], list[tuple[nn.Module, str, str]]]:
         """``{stage or "answer": [(owner, name, kind)]}``: the parameters this rank holds that the code before that
         run's window reads. They are ghosts until the window starts, so a stage does not compute, for real, what an
         earlier stage computes (and sends)."""
         held = [reg for reg in self.held(rank) if reg.kind == "parameter"]
-        starts: dict[Any, int] = {s: self.layout.bounds[s][0] for s in self.layout.rank_stages(rank)}
+        starts: dict[Union[int, str], int] = {s: self.layout.bounds[s][0] for s in self.layout.rank_stages(rank)}
         starts["answer"] = len(self.backbone)
         swaps = {}
         for key, first in starts.items():

@@ -28,7 +28,7 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from lightning_pipe._ghost import Ghost
 
@@ -50,7 +50,7 @@ class InnerCall:
     block: int
     path: str
     call: int
-    out_spec: Any
+    out_spec: TreeSpec
     out_leaves: tuple[Any, ...]
     arg_leaves: tuple[Optional[Tensor], ...]
     hooks: tuple[int, ...]
@@ -74,7 +74,7 @@ def replay(
     calls: list[InnerCall],
     given: dict,
     sizes: Optional[dict[int, int]],
-    device: Any,
+    device: torch.device,
     found: Callable[[tuple, Tensor], None],
 ) -> None:
     """Call the recorded hooks of a skipped block's ``calls`` with outputs made of the ``given`` values (by producer)
@@ -105,7 +105,7 @@ def replay(
                 output = result
 
 
-def inner_returned(program: Any, path: str, called: nn.Module, args: Any, output: Any) -> None:
+def inner_returned(program: Any, path: str, called: nn.Module, args: tuple, output: Any) -> None:
     """The forward hook on a module inside a block whose output crosses a boundary: the run in progress of
     ``program`` (a weak reference to the block runners) finds it; nothing while no run is (a checkpointed block
     recomputing in backward, after the step)."""
@@ -119,6 +119,6 @@ def _meta(t: Tensor) -> Tensor:
     return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
 
 
-def _ghost(meta: Tensor, sizes: Optional[dict[int, int]], device: Any) -> Ghost:
+def _ghost(meta: Tensor, sizes: Optional[dict[int, int]], device: torch.device) -> Ghost:
     shape = tuple(meta.shape) if sizes is None else tuple(sizes.get(d, d) for d in meta.shape)
     return Ghost(torch.empty(shape, dtype=meta.dtype, device="meta"), device)

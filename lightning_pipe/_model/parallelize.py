@@ -24,7 +24,7 @@ one's mesh.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -96,7 +96,7 @@ def parallelize_stage(
     *,
     owner: object,
     device: torch.device,
-    prepare: Callable[[nn.Module], Any],
+    prepare: Callable[[nn.Module], None],
 ) -> StageParallelism:
     """Materialise this rank's share of ``module`` and parallelize it as ``args`` and the calls ``configure_model``
     made (``configured``) ask ([Note: stage parallelism]); returns the record of what was applied, also kept as

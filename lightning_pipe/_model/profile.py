@@ -112,7 +112,7 @@ def measure_backbone(
             bytes saved for the backward), what ``schedule="auto"`` predicts from.
     """
     require_real_weights([module])  # every rank holds the whole model here, so every rank refuses
-    costs: Optional[list[Any]] = None
+    costs: Optional[Union[list[float], list[BlockCost]]] = None
     if not dist.is_initialized() or dist.get_rank() == 0:
         program = BlockRunners(module, backbone, structure, device)
         batch_size = program.batch_size_of(step, batch, *rest)

@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, NoReturn, Optional
 
 import torch
 from torch import nn
@@ -46,6 +46,7 @@ from lightning_pipe._model.cut import Cut
 from lightning_pipe._model.materialize import Materializer
 
 if TYPE_CHECKING:
+    import lightning.pytorch as pl
     from lightning.pytorch.plugins.precision import Precision
 
     from lightning_pipe._model.backbone import Backbone
@@ -117,7 +118,7 @@ class OutsideModules(nn.Module):
         super().__init__()
         self.parts = nn.ModuleList(modules)
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
+    def forward(self, *args: Any, **kwargs: Any) -> NoReturn:
         raise RuntimeError("The modules outside the backbone run as the step calls them, not through this unit.")
 
 
@@ -147,7 +148,7 @@ def shard_stage(
     mesh: DeviceMesh,
     options: ShardingOptions,
     device: torch.device,
-    prepare: Callable[[nn.Module], Any],
+    prepare: Callable[[nn.Module], None],
     parallelize: Optional[Callable[[nn.Module], None]] = None,
     parallelize_outside: Optional[Callable[[nn.Module], None]] = None,
 ) -> StageSharding:
@@ -258,7 +259,7 @@ def refuse_user_sharding(module: nn.Module) -> None:
             )
 
 
-def refuse_unshardable(mode: str, precision_plugin: Precision, callbacks: list[Any]) -> None:
+def refuse_unshardable(mode: str, precision_plugin: Precision, callbacks: list[pl.Callback]) -> None:
     """What sharded stages cannot honour, refused at setup on every rank with the fix (as Lightning's
     ``FSDPStrategy`` refuses what it cannot shard)."""
     from lightning.pytorch.callbacks import ModelPruning, StochasticWeightAveraging

@@ -138,11 +138,11 @@ class _Analysis(BlockCalls):
         return region_position(self.next)
 
     # --------------------------------------------------------------------------------------------- observation
-    def module_called(self, called: nn.Module, args: Any) -> None:
+    def module_called(self, called: nn.Module, args: tuple) -> None:
         if not self.in_block and not isinstance(called, Runner):
             self.structure.region_modules.setdefault(id(called), set()).add(self.next)
 
-    def module_returned(self, called: nn.Module, args: Any, output: Any) -> None:
+    def module_returned(self, called: nn.Module, args: tuple, output: Any) -> None:
         if isinstance(called, Runner):
             return
         path = self.module_names.get(id(called))
@@ -152,7 +152,7 @@ class _Analysis(BlockCalls):
         elif path is not None:
             self.module_output(path, output)  # counted as the stages' hooks count it
 
-    def _inner_returned(self, called: nn.Module, path: str, args: Any, output: Any) -> None:
+    def _inner_returned(self, called: nn.Module, path: str, args: tuple, output: Any) -> None:
         """A module inside the block that runs returned: its new tensors may leave the block through a forward hook
         ([Note: values from inside blocks]); a hooked module's call is what a skipped block replays."""
         index = self.next - 1

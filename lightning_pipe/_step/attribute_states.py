@@ -23,7 +23,7 @@ Values that no call changes (a constant tensor attribute, an unused ``None``) co
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 from torch import Tensor, nn
@@ -42,8 +42,8 @@ class AttributeStates:
     def __init__(self, modules: list[nn.Module]) -> None:
         self.modules = modules
         self._batch_size = 0
-        self._noted: dict[_Key, Any] = {}
-        self._kept: dict[tuple[int, int], dict[_Key, Any]] = {}  # rows -> values
+        self._noted: dict[_Key, Optional[Tensor]] = {}
+        self._kept: dict[tuple[int, int], dict[_Key, Optional[Tensor]]] = {}  # rows -> values
         self._current: Optional[tuple[int, int]] = None  # the rows whose values are in the modules now
 
     def begin(self, batch_size: int) -> None:
@@ -85,7 +85,7 @@ class AttributeStates:
             self._kept[self._current] = dict(self._held())
             self._current = None
 
-    def _held(self) -> list[tuple[_Key, Any]]:
+    def _held(self) -> list[tuple[_Key, Optional[Tensor]]]:
         found = []
         for index, module in enumerate(self.modules):
             for name, value in vars(module).items():
@@ -95,23 +95,23 @@ class AttributeStates:
                     found.append(((index, name), value))
         return found
 
-    def _rows_of(self, value: Any, start: int, stop: int) -> Any:
+    def _rows_of(self, value: Optional[Tensor], start: int, stop: int) -> Optional[Tensor]:
         if isinstance(value, Tensor) and value.dim() > 0 and value.shape[0] == self._batch_size:
             return value[start:stop]
         return value
 
-    def _put(self, values: dict[_Key, Any]) -> None:
+    def _put(self, values: dict[_Key, Optional[Tensor]]) -> None:
         for (index, name), value in values.items():
             vars(self.modules[index])[name] = value
 
 
-def _probe_copy(value: Any, probing: str) -> Any:
+def _probe_copy(value: Optional[Tensor], probing: str) -> Optional[Tensor]:
     if not isinstance(value, Tensor):
         return value
     return ghost_of(value) if probing == "ghost" else value.clone()
 
 
-def _joined(parts: list[Any], sizes: list[int]) -> Any:
+def _joined(parts: list[Optional[Tensor]], sizes: list[int]) -> Optional[Tensor]:
     """The whole batch's value of an attribute from its microbatches' ``parts`` (of ``sizes`` rows)."""
     if all(isinstance(p, Tensor) and p.dim() > 0 and p.shape[0] == n for p, n in zip(parts, sizes)) and len(
         {(tuple(p.shape[1:]), p.dtype) for p in parts}

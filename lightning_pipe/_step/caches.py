@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import copy
 import weakref
+from collections.abc import Hashable
 from typing import Any, Callable, Optional
 
 import torch
@@ -257,7 +258,7 @@ def _parts(cache: Any) -> list[Any]:
     return [cache]
 
 
-def _new_buffers(blocks: list[nn.Module], known: dict[int, Any]) -> list[tuple[dict, str, Tensor]]:
+def _new_buffers(blocks: list[nn.Module], known: dict[int, weakref.ref[Tensor]]) -> list[tuple[dict, str, Tensor]]:
     found = []
     for block in blocks:
         for module in block.modules():
@@ -294,7 +295,7 @@ def _pass_view(cache: Any, before: dict[int, list[Any]], window: Optional[range]
     return view
 
 
-def _refused(kind: str, name: str) -> Any:
+def _refused(kind: str, name: str) -> Callable[..., None]:
     def refuse(*args: Any, **kwargs: Any) -> None:
         raise BackboneCallError(
             f"The decoding loop called `{kind}.{name}()` on a cache that `PipelineStrategy` splits over microbatches"
@@ -327,7 +328,7 @@ def _splittable(layer: Any) -> bool:
     return bool(bases & set(_SPLITTABLE)) and not bases & set(_NOT_SPLITTABLE)
 
 
-def _row_slots(layer: Any) -> list[tuple[str, Any, int]]:
+def _row_slots(layer: Any) -> list[tuple[str, Optional[Hashable], int]]:
     """``(attribute, key or None, batch dimension)`` of each tensor per row a cache layer holds: a tensor attribute
     (keys, values, an indexer's keys) or a tensor in a dict attribute (linear attention's conv and recurrent states,
     DeepSeek V4's compressor buffers). A tensor of no more dimensions than its batch dimension is a counter."""
@@ -342,12 +343,12 @@ def _row_slots(layer: Any) -> list[tuple[str, Any, int]]:
     return slots
 
 
-def _slot(layer: Any, name: str, key: Any) -> Tensor:
+def _slot(layer: Any, name: str, key: Optional[Hashable]) -> Tensor:
     value = getattr(layer, name)
     return value if key is None else value[key]
 
 
-def _set_slot(layer: Any, name: str, key: Any, value: Tensor) -> None:
+def _set_slot(layer: Any, name: str, key: Optional[Hashable], value: Tensor) -> None:
     if key is None:
         setattr(layer, name, value)
     else:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import torch
 from torch import Tensor, nn
@@ -52,6 +52,9 @@ from lightning_pipe._model.calls import (
 from lightning_pipe._model.flow import Flow, Producer
 from lightning_pipe._model.structure import everything_ghosted
 
+if TYPE_CHECKING:
+    from torch.autograd.function import FunctionCtx
+
 
 class StepProgram(BlockRunners):
     """The user's step on this rank, run in the modes described in the module docstring.
@@ -75,7 +78,7 @@ class StepProgram(BlockRunners):
         structure: Structure,
         flow: Flow,
         stage_bounds: dict[int, tuple[int, int]],
-        swaps: dict[Any, Sequence[tuple[nn.Module, str, str]]],
+        swaps: dict[Union[int, str], Sequence[tuple[nn.Module, str, str]]],
         device: torch.device,
         checkpointed: Callable[[nn.Module], bool] = lambda block: False,
     ) -> None:
@@ -164,7 +167,7 @@ class StepProgram(BlockRunners):
         first, stop = self.stage_bounds[stage]
         flow, blocks = self.flow, self.flow.blocks
         given = dict(zip(flow.receives(stage), received))
-        swaps: Any = stage
+        swaps: Optional[int] = stage
         if blocks is not None:  # a call of only some blocks ([Note: partial passes])
             answer_stage = flow.answer_stage % len(flow.sends)
             if stage > answer_stage or stop <= blocks.start:  # no block of the call: passes on what it was given
@@ -202,7 +205,9 @@ class StepProgram(BlockRunners):
             for values in zip(*parts)
         )
 
-    def run_answering(self, output: Any, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    def run_answering(
+        self, output: Union[Tensor, tuple[Tensor, ...]], step: Callable[..., Any], *args: Any, **kwargs: Any
+    ) -> Any:
         """The whole step, with the values the code after the backbone reads taken from ``output`` (the last stage's
         output: a tensor, or a tuple of them); returns what the step returns."""
         outputs = output if isinstance(output, tuple) else (output,)
@@ -321,13 +326,13 @@ class _Census(BlockCalls):
         super().__init__(program)
         self.calls(range(first, len(program.backbone)), offsets)
         self.called: list[int] = []
-        self.produced: set[tuple[str, Any, int]] = set()
+        self.produced: set[tuple[str, str, int]] = set()
 
     def on_block(self, index: int, block: nn.Module, args: tuple, kwargs: dict, at: HiddenAt, hidden: Any) -> Any:
         self.called.append(index)
         return self.program.skipped_output(index, args, kwargs, hidden, {})
 
-    def on_module_output(self, path: str, call: int, output: Any) -> Any:
+    def on_module_output(self, path: str, call: int, output: Any) -> None:
         self.produced.add(("module", path, call))
         return None
 
@@ -346,11 +351,11 @@ class _HandOver(torch.autograd.Function):
       sends back for it would reach no weight; through this node, it does."""
 
     @staticmethod
-    def forward(ctx: Any, value: Tensor, anchor: Optional[Tensor]) -> Tensor:
+    def forward(ctx: FunctionCtx, value: Tensor, anchor: Optional[Tensor]) -> Tensor:
         return value.detach().contiguous()  # sent as it is: a broadcast value (T5's position bias) may be strided
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+    def backward(ctx: FunctionCtx, grad: Tensor) -> tuple[Tensor, None]:
         return grad, None
 
 

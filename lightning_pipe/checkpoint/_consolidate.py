@@ -16,7 +16,7 @@ import logging
 import os
 from collections import OrderedDict
 from pathlib import Path
-from typing import IO, Any, Optional, Union
+from typing import IO, TYPE_CHECKING, Any, Optional, TypeVar, Union
 
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
@@ -25,6 +25,11 @@ from lightning_pipe._compat.torch import read_dcp_in_one_process
 from lightning_pipe.checkpoint._files import INFO_KEY, META_FILENAME, is_pipeline_checkpoint, read_meta, resolve
 from lightning_pipe.checkpoint._names import split_name
 from lightning_pipe.checkpoint._safe import SafeFileSystemReader, load_dcp_metadata, read_error
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+Loadable = TypeVar("Loadable", bound="Union[pl.LightningModule, pl.LightningDataModule]")
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +160,9 @@ def _set_nested(target: dict[str, Any], keys: list[str], value: Any) -> None:
     target[keys[-1]] = value
 
 
-def load_from_checkpoint(cls: type, checkpoint_path: Union[str, os.PathLike, IO[bytes]], **kwargs: Any) -> Any:
+def load_from_checkpoint(
+    cls: type[Loadable], checkpoint_path: Union[str, os.PathLike, IO[bytes]], **kwargs: Any
+) -> Loadable:
     """``cls.load_from_checkpoint(checkpoint_path, **kwargs)`` that also reads a lightning_pipe checkpoint directory.
 
     Lightning reads a checkpoint file; a pipelined checkpoint is a directory of shards. For a directory, the weights

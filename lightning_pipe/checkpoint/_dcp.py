@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import empty as distributed_empty
 
@@ -70,7 +70,7 @@ def save(
     names: ModelNames,
     layout: dict[str, Any],
     is_global_zero: bool,
-    local_states: Optional[dict[str, dict[str, Any]]] = None,
+    local_states: Optional[dict[str, dict[str, torch.Tensor]]] = None,
 ) -> None:
     """Write ``checkpoint`` (Lightning's dict) to the directory ``filepath``; called on every rank with the same path.
 
@@ -262,7 +262,9 @@ def _class_name(obj: Any) -> str:
     return f"{type(obj).__module__}.{type(obj).__qualname__}"
 
 
-def _check_optimizer_classes(path: Path, info: dict[str, Any], optimizers: list[Any], rank: int) -> None:
+def _check_optimizer_classes(
+    path: Path, info: dict[str, Any], optimizers: list[torch.optim.Optimizer], rank: int
+) -> None:
     """Refuse optimizer state saved by another kind of optimizer (SGD's momentum is no state for AdamW). Every rank
     reads the same ``meta.pt`` and builds the same optimizers, so every rank raises."""
     saved = info.get("optimizers") or []
@@ -277,7 +279,9 @@ def _check_optimizer_classes(path: Path, info: dict[str, Any], optimizers: list[
             )
 
 
-def _read_on_every_rank(filepath: Path, weights_only: Optional[bool], rank: int) -> tuple[Path, Any, Any]:
+def _read_on_every_rank(
+    filepath: Path, weights_only: Optional[bool], rank: int
+) -> tuple[Path, Optional[dict[str, Any]], Optional[Metadata]]:
     """The checkpoint to read, its ``meta.pt`` and DCP's index (both None for a single file). A failure on any rank
     (a missing, damaged or refused file) is raised on every rank, before any rank enters DCP's collectives."""
     path, checkpoint, metadata, failure = filepath, None, None, None

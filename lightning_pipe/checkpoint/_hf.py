@@ -182,7 +182,7 @@ def stored_layout(cut: Cut, data_parallel_size: int, module: nn.Module, *, choic
     return record
 
 
-def config_record(module: nn.Module) -> Optional[dict[str, Any]]:
+def config_record(module: nn.Module) -> Optional[dict[str, Optional[str]]]:
     """What a training checkpoint stores to be converted to a Hugging Face directory later: the attribute that holds
     the model, its class and its configs as JSON text; ``None`` when the module holds no (single) Hugging Face model."""
     try:

@@ -17,13 +17,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lightning_pipe._model.names import ModelNames
+
+T = TypeVar("T")
 
 
 class CheckpointMismatchError(KeyError):
@@ -45,7 +47,7 @@ def split_name(rest: str, names: set[str]) -> tuple[Optional[str], str]:
     return None, rest
 
 
-def all_gather(obj: Any) -> list[Any]:
+def all_gather(obj: T) -> list[T]:
     if not (dist.is_available() and dist.is_initialized()):
         return [obj]
     out: list[Any] = [None] * dist.get_world_size()
@@ -193,7 +195,7 @@ def load_full_optimizer_state(
             f" over all pipeline stages, has {[len(g) for g in groups]}. It was saved for another model or optimizer"
             " configuration; load the weights only (`Model.load_from_checkpoint`) and fit without `ckpt_path`."
         )
-    number_of: dict[str, Any] = {}
+    number_of: dict[str, int] = {}
     for saved_group, group_names in zip(saved_groups, groups):
         group_names = saved_group.get("param_names", group_names)
         number_of.update(zip(group_names, saved_group["params"]))

@@ -32,7 +32,7 @@ import pickle
 import re
 import warnings
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any, Optional, Union
+from typing import IO, TYPE_CHECKING, Any, NoReturn, Optional, Union
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 
 #: Types ``meta.pt`` may hold that a weights-only load refuses by default, and that are harmless to build: what
 #: ``save_hyperparameters`` keeps for an argparse configuration, and paths.
-META_SAFE_GLOBALS: list[Any] = [
+META_SAFE_GLOBALS: list[type] = [
     argparse.Namespace,
     pathlib.PosixPath,
     pathlib.PurePosixPath,
@@ -181,7 +181,7 @@ class _RestrictedUnpickler(pickle.Unpickler):
             f" written by torch.distributed.checkpoint, or it was tampered with. {_TRUST_HINT}."
         )
 
-    def persistent_load(self, pid: Any) -> Any:
+    def persistent_load(self, pid: Any) -> NoReturn:
         raise UnsafeCheckpointError(
             f"`{self._source}` holds a persistent reference, which DCP's index never holds. {_TRUST_HINT}."
         )

@@ -178,7 +178,7 @@ def _all_plans(
     tensor_sizes: Sequence[int],
     tensor_parallel_overhead: float,
     sequence_parallel: bool = False,
-    cost_split: Sequence[Any] = (1.0, 1.0, 1.0),
+    cost_split: Union[Sequence[float], Sequence[Sequence[float]]] = (1.0, 1.0, 1.0),
     transfer_time: float = 0.0,
     data_parallel_time_per_byte: float = 0.0,
 ) -> list[Plan]:
@@ -313,7 +313,9 @@ def _all_plans(
     return plans
 
 
-def _fractions(cost_split: Sequence[Any], n: int) -> list[tuple[float, float, float]]:
+def _fractions(
+    cost_split: Union[Sequence[float], Sequence[Sequence[float]]], n: int
+) -> list[tuple[float, float, float]]:
     """Per module, the fractions of its cost that are forward, input gradient and weight gradient."""
     split = list(cost_split)
     triples = split if split and isinstance(split[0], (tuple, list)) else [split] * n

@@ -41,15 +41,19 @@ What happens after the step, gathering every rank's events to rank 0, :func:`sum
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, Callable, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
 
 from lightning_pipe._compat.torch import P2P_POST, P2P_WAIT, SCHEDULE_LOSS_METHOD, Swaps, schedule_stages
 from lightning_pipe.timeline._report import _LETTER, Event
+
+if TYPE_CHECKING:
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import _PipelineSchedule
 
 _STAGE_OPS = {  # getter -> (direction, payload)
     "get_fwd_recv_ops": ("recv", "act"),
@@ -108,14 +112,16 @@ class TimelineRecorder:
         self.rank = 0
         self._origin = 0
         self._sync: Optional[Callable[[], None]] = None
-        self._op_labels: dict[int, tuple[Any, dict[str, Any]]] = {}
-        self._work_labels: dict[int, tuple[Any, list[dict[str, Any]]]] = {}
+        self._op_labels: dict[int, tuple[dist.P2POp, dict[str, Optional[Union[str, int]]]]] = {}
+        self._work_labels: dict[int, tuple[dist.Work, list[dict[str, Optional[Union[str, int]]]]]] = {}
         self._post_depth = 0  # nesting of `_batch_p2p` calls (see `_wrap_post`)
         self._post_calls = 0
 
     # ------------------------------------------------------------------ tracing
     @contextmanager
-    def trace(self, target: Any) -> Iterator["TimelineRecorder"]:
+    def trace(
+        self, target: Union[_PipelineSchedule, PipelineStage, Sequence[PipelineStage]]
+    ) -> Iterator["TimelineRecorder"]:
         """Trace one step of ``target``: a torch pipeline schedule (its stages and loss are traced), a
         ``PipelineStage`` or a list of them. Everything installed is removed on exit, also on error."""
         global _tracing
@@ -245,7 +251,7 @@ class TimelineRecorder:
         return maybe_compute_loss
 
     def _wrap_getter(self, fn: Callable, stage: int, direction: str, payload: str) -> Callable:
-        def get_ops(*args: Any, **kwargs: Any) -> Any:
+        def get_ops(*args: Any, **kwargs: Any) -> list[dist.P2POp]:
             ops = fn(*args, **kwargs)
             mb = args[0] if args else next(iter(kwargs.values()), None)  # fwd_chunk_id / bwd_chunk_id
             if mb is None:
@@ -268,7 +274,7 @@ class TimelineRecorder:
         calls' works concatenated in group order, not in op order, so the works are labelled by the innermost calls,
         where they pair with their ops."""
 
-        def batch_p2p(p2p_ops: list, *args: Any, **kwargs: Any) -> Any:
+        def batch_p2p(p2p_ops: list[dist.P2POp], *args: Any, **kwargs: Any) -> list[dist.Work]:
             if not p2p_ops:
                 return fn(p2p_ops, *args, **kwargs)
             outermost = self._post_depth == 0
@@ -294,7 +300,7 @@ class TimelineRecorder:
         return batch_p2p
 
     def _wrap_wait(self, fn: Callable) -> Callable:
-        def wait_batch_p2p(work: Any, *args: Any, **kwargs: Any) -> Any:
+        def wait_batch_p2p(work: list[dist.Work], *args: Any, **kwargs: Any) -> None:
             works = list(work) if work else []
             if not works:
                 return fn(work, *args, **kwargs)
@@ -303,7 +309,7 @@ class TimelineRecorder:
             if self._sync is not None:
                 self._sync()
             t1 = time.perf_counter_ns()
-            labels: list[dict[str, Any]] = []
+            labels: list[dict[str, Optional[Union[str, int]]]] = []
             for w in works:
                 for label in self._work_labels.get(id(w), (None, [{"dir": "p2p"}]))[1]:
                     if label not in labels:
@@ -313,7 +319,7 @@ class TimelineRecorder:
 
         return wait_batch_p2p
 
-    def _label_of(self, op: dist.P2POp) -> dict[str, Any]:
+    def _label_of(self, op: dist.P2POp) -> dict[str, Optional[Union[str, int]]]:
         known = self._op_labels.get(id(op))
         if known is not None:
             return known[1]
@@ -321,7 +327,7 @@ class TimelineRecorder:
         direction = "send" if "send" in name else "recv" if "recv" in name else "p2p"
         return {"dir": direction, "peer": getattr(op, "peer", None)}
 
-    def _add_comm(self, phase: str, labels: list[dict[str, Any]], t0: int, t1: int) -> None:
+    def _add_comm(self, phase: str, labels: list[dict[str, Optional[Union[str, int]]]], t0: int, t1: int) -> None:
         directions = {label["dir"] for label in labels}
         kind = directions.pop() if len(directions) == 1 else "send/recv"
         # The microbatch a transfer belongs to: the received one if any (that is what a wait blocks on).
@@ -340,7 +346,7 @@ class TimelineRecorder:
         self._add("comm", f"{kind} {phase}", stage, mb, t0=t0, t1=t1, ops=ops, **(sizes if phase == "post" else {}))
 
 
-def _describe(label: dict[str, Any]) -> str:
+def _describe(label: dict[str, Optional[Union[str, int]]]) -> str:
     if "mb" not in label:
         peer = label.get("peer")
         return f"{label['dir']}" + (f" rank {peer}" if peer is not None else "")

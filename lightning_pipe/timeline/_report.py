@@ -52,7 +52,7 @@ def gather_events(
     if not (dist.is_available() and dist.is_initialized()):
         return sorted(events, key=_order)
     rank = dist.get_rank(group)
-    box: Optional[list[Any]] = [None] * dist.get_world_size(group) if rank == dst else None
+    box: Optional[list[Optional[list[Event]]]] = [None] * dist.get_world_size(group) if rank == dst else None
     dist.gather_object(list(events), box, group=group, group_dst=dst)
     if box is None:
         return None
