@@ -190,4 +190,7 @@ def ghost_of(tensor: torch.Tensor, device: Optional[torch.device] = None, origin
 
 def contains_ghost(tree: Any) -> bool:
     """Whether any tensor in the pytree ``tree`` is a ghost."""
+    if isinstance(tree, tuple) and len(tree) == 2 and isinstance(tree[1], dict) and not tree[1] \
+            and isinstance(tree[0], tuple) and all(isinstance(a, torch.Tensor) for a in tree[0]):
+        return any(isinstance(a, Ghost) for a in tree[0])  # a block's usual call, ``(tensors, {})``: no pytree walk
     return tree_any(lambda leaf: isinstance(leaf, Ghost), tree)

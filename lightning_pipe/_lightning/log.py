@@ -31,6 +31,8 @@ from lightning_pipe._ghost import Ghost, GhostValueError
 from lightning_pipe._lightning.metrics import module_metrics
 
 _LOG_SIGNATURE = inspect.signature(LightningModule.log)
+#: what `log` takes by keyword after the value: keyword arguments of these names need no binding
+_LOG_OPTIONS = frozenset(_LOG_SIGNATURE.parameters) - {"self", "name", "value"}
 
 
 def _plain(value: Any) -> Any:
@@ -54,8 +56,11 @@ class LogRecorder:
         self._this_microbatch: list[str] = []
 
     def __call__(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
-        bound = _LOG_SIGNATURE.bind(None, name, value, *args, **kwargs)
-        options = {k: v for k, v in bound.arguments.items() if k not in ("self", "name", "value")}
+        if not args and kwargs.keys() <= _LOG_OPTIONS:  # by keyword, as nearly every step logs: nothing to bind
+            options = dict(kwargs)
+        else:
+            bound = _LOG_SIGNATURE.bind(None, name, value, *args, **kwargs)
+            options = {k: v for k, v in bound.arguments.items() if k not in ("self", "name", "value")}
         self.values.setdefault(name, []).append(_plain(value))
         self.options[name] = options
         given = options.get("batch_size")
