@@ -25,10 +25,13 @@ gain. Nothing falls back to eager.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from torch import nn
 
 
-def compiled(block: Any) -> bool:
+def compiled(block: nn.Module) -> bool:
     """Whether ``block`` runs compiled: ``Module.compile()`` was called on it, or it is ``torch.compile``'s wrapper."""
     return getattr(block, "_compiled_call_impl", None) is not None or hasattr(block, "_orig_mod")
 

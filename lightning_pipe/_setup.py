@@ -24,7 +24,7 @@ import functools
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import lightning.pytorch as pl
 import torch
@@ -45,7 +45,7 @@ from lightning_pipe._model.configure_model import ConfigureModelCalls
 from lightning_pipe._model.cut import Cut, connect_ties
 from lightning_pipe._model.parallelize import ParallelismArgs, StageParallelism, data_parallel_mode, parallelize_stage
 from lightning_pipe._model.pretrained import read_marked
-from lightning_pipe._model.profile import first_batch, measure_backbone
+from lightning_pipe._model.profile import BlockCost, first_batch, measure_backbone
 from lightning_pipe._model.shard import refuse_unshardable, refuse_user_sharding
 from lightning_pipe._model.split import analyse, cut_module, previous_cut, refuse_unsupported, reuse_cut
 from lightning_pipe._step.auto import Chooser, choice_of, profiled_config
@@ -120,7 +120,9 @@ def build_pipeline(module: pl.LightningModule, trainer: pl.Trainer, args: SetupA
     return runtime, own_sampling
 
 
-def _measure(module: pl.LightningModule, args: SetupArgs, profiled: Config) -> Callable[..., Any]:
+def _measure(
+    module: pl.LightningModule, args: SetupArgs, profiled: Config
+) -> Callable[..., Union[list[float], list[BlockCost]]]:
     return functools.partial(
         measure_backbone, module, device=args.device,
         microbatches_for=MicrobatchPolicy.of(profiled, args.dims.pipeline).for_batch,

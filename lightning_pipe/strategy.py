@@ -258,7 +258,7 @@ class PipelineStrategy(ModuleAfterCall, WatchedCollectives, ParallelStrategy):
 
     @property
     @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+    def distributed_sampler_kwargs(self) -> dict[str, int]:
         return data.sampler_kwargs(self.data_parallel_size, self.data_parallel_rank)
 
     @property

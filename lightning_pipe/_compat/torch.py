@@ -15,16 +15,19 @@ import torch.distributed as dist
 if TYPE_CHECKING:
     from datetime import timedelta
 
+    from torch.autograd.graph import Node
     from torch.distributed.checkpoint import StorageReader
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.pipelining.schedules import PipelineScheduleMulti
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+    from torch.distributed.pipelining.schedules import PipelineScheduleMulti, _Action
     from torch.distributed.tensor.parallel import ParallelStyle
 
 
 def mesh_group_options(
     sizes: dict[str, int], world_size: int, backend: str, timeout: Optional[timedelta]
-) -> dict[str, Any]:
+) -> dict[str, tuple[str, Any]]:
     """``init_device_mesh(backend_override=...)`` that gives every sub-group of the mesh the default group's timeout.
 
     ``init_device_mesh`` creates a mesh dimension's groups with the timeout of its backend options, and without
@@ -161,7 +164,7 @@ P2P_WAIT = "_wait_batch_p2p"
 SCHEDULE_LOSS_METHOD = "_maybe_compute_loss"
 
 
-def job_store() -> Optional[Any]:
+def job_store() -> Optional[dist.Store]:
     """The key-value store every process of the job shares (the default process group's, which rank 0's process
     serves), or ``None`` before the process group exists: where a failing rank leaves its error for the others
     (:mod:`lightning_pipe._lightning.processes`). torch has no public handle on it."""
@@ -232,7 +235,7 @@ def keep_forward_actions(schedule: PipelineScheduleMulti) -> None:
     their order: a forward-only pass."""
     from torch.distributed.pipelining.schedules import FORWARD
 
-    def forwards(action: Any) -> list[Any]:
+    def forwards(action: Optional[_Action]) -> list[_Action]:
         if action is None:
             return []
         if action.computation_type == FORWARD:
@@ -272,14 +275,14 @@ def schedule_stages(schedule: Any) -> Optional[list[Any]]:
 # ghosts (shape probes), which must not all-gather. Checked against torch 2.13, 2.14 and 2.15.
 
 
-def fsdp_state(unit: FSDPModule) -> Any:
+def fsdp_state(unit: FSDPModule) -> FSDPState:
     """The ``FSDPState`` of a module ``fully_shard`` was applied to."""
     from torch.distributed.fsdp import fully_shard
 
     return fully_shard.state(unit)  # type: ignore[attr-defined]
 
 
-def fsdp_params(unit: FSDPModule) -> list[Any]:
+def fsdp_params(unit: FSDPModule) -> list[FSDPParam]:
     """The ``FSDPParam`` objects of a unit (its sharded and unsharded parameters, and its accumulated gradients)."""
     group = fsdp_state(unit)._fsdp_param_group
     return list(group.fsdp_params) if group is not None else []
@@ -360,7 +363,7 @@ def fsdp_reduce_now(unit: FSDPModule) -> None:
 
 
 def fsdp_reduce_in_backward(
-    unit: FSDPModule, around: Callable[[Callable[[float], Any]], Any]
+    unit: FSDPModule, around: Callable[[Callable[[float], None]], None]
 ) -> Callable[[], None]:
     """Let ``unit`` reduce-scatter in its own post-backward hook during the next backward, as FSDP does outside a
     pipeline, with ``around(reduce)`` wrapping each call: ``reduce(scale)`` multiplies the accumulated unsharded
@@ -374,8 +377,8 @@ def fsdp_reduce_in_backward(
     for group in groups:
         original = group.post_backward
 
-        def post_backward(*args: Any, _original: Callable[..., Any] = original) -> Any:
-            def reduce(scale: float) -> Any:
+        def post_backward(*args: Any, _original: Callable[..., None] = original) -> None:
+            def reduce(scale: float) -> None:
                 if scale != 1.0:
                     fsdp_scale_unsharded_grads(unit, scale)
                 return _original(*args)
@@ -532,7 +535,9 @@ def weight_gradients_keep_graph() -> Iterator[None]:
 
     original = _stage.stage_backward_weight
 
-    def keeping(weights: Any, param_groups: Any, retain_graph: bool = False) -> Any:
+    def keeping(
+        weights: Iterator[torch.nn.Parameter], param_groups: list[dict[str, Any]], retain_graph: bool = False
+    ) -> tuple[Optional[torch.Tensor], ...]:
         return original(weights, param_groups, retain_graph=True)
 
     _stage.stage_backward_weight = keeping
@@ -553,7 +558,9 @@ def merged_param_groups() -> Iterator[None]:
 
     original = _backward.get_param_groups
 
-    def merged(inputs: Any, params: Any, reverse_edges_dict: Any) -> list[dict[str, Any]]:
+    def merged(
+        inputs: list[Node], params: list[Node], reverse_edges_dict: dict[Node, list[Node]]
+    ) -> list[dict[str, Any]]:
         return _merge_groups(original(inputs, params, reverse_edges_dict))
 
     _backward.get_param_groups = merged
@@ -572,7 +579,7 @@ def _merge_groups(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
             i = parent[i]
         return i
 
-    owner: dict[Any, int] = {}
+    owner: dict[Node, int] = {}
     for i, group in enumerate(groups):
         for node in (*group["params"], *group["intermediates"]):
             parent[root(i)] = root(owner.setdefault(node, i))

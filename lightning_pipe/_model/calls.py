@@ -20,12 +20,12 @@ from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
-from torch.utils._pytree import tree_leaves, tree_unflatten
+from torch.utils._pytree import TreeSpec, tree_leaves, tree_unflatten
 
 from lightning_pipe._errors import BackboneCallError, not_computed_by_last_stage, stop_iteration_fails
 from lightning_pipe._ghost import Ghost, ghost_of
@@ -36,7 +36,7 @@ from lightning_pipe._model.flow import Producer, Unsendable
 from lightning_pipe._model.inner import InnerCall, inner_returned, replay
 
 #: ``("arg", position)`` or ``("kwarg", name)``: where a block call carries the hidden state.
-HiddenAt = tuple[str, Any]
+HiddenAt = tuple[str, Union[int, str]]
 
 #: What a block returns: ``None`` for a tensor, else ``(tuple or list, index of the hidden state, metas of the
 #: elements)`` (``None`` for the hidden state and for what is not a tensor).
@@ -49,7 +49,7 @@ class BlockIO:
     tensors are meta tensors (a skipped block answers with ghosts of these shapes, resized to the call's)."""
 
     arg_shapes: tuple[tuple[int, ...], ...]
-    out_spec: Any
+    out_spec: TreeSpec
     out_leaves: tuple[Any, ...]
     passed: dict[int, int]  # output leaf -> the argument leaf it is (a block returning what it was given)
 
@@ -217,8 +217,8 @@ class BlockRunners:
         module: nn.Module,
         backbone: Backbone,
         structure: Structure,
-        device: Any,
-        swaps: Optional[dict[Any, Sequence[tuple[nn.Module, str, str]]]] = None,
+        device: torch.device,
+        swaps: Optional[dict[Union[int, str], Sequence[tuple[nn.Module, str, str]]]] = None,
     ) -> None:
         self.module = module
         self.backbone = backbone
@@ -306,7 +306,7 @@ class BlockRunners:
                 found=found,
             )
 
-    def skipped_output(self, index: int, args: tuple, kwargs: dict, hidden: Any, given: dict[Producer, Any]) -> Any:
+    def skipped_output(self, index: int, args: tuple, kwargs: dict, hidden: Any, given: dict[Producer, Tensor]) -> Any:
         """What block ``index``, which this run skips, returns: the values ``given`` for its producers (received
         from the stage that ran it), ghosts of the right shapes for the rest."""
         io = self.structure.block_io[index]
@@ -336,7 +336,7 @@ class BlockRunners:
         return tree_unflatten(leaves, io.out_spec)
 
     @contextmanager
-    def running(self, run: BlockCalls, swaps: Any = None) -> Iterator[BlockCalls]:
+    def running(self, run: BlockCalls, swaps: Optional[Union[int, str]] = None) -> Iterator[BlockCalls]:
         """Swap the runners in and make ``run`` the run in progress for the block (one at a time per process);
         ``swaps``: the key of the tensors it sees as ghosts until ``run.restore_prefix()``."""
         if self.current is not None:
@@ -382,7 +382,9 @@ class BlockRunners:
 
 
 @torch.compiler.disable
-def _module_returned(program: Any, path: str, called: nn.Module, args: Any, output: Any) -> Any:
+def _module_returned(
+    program: weakref.ref[BlockRunners], path: str, called: nn.Module, args: tuple, output: Any
+) -> Any:
     """A producer module's forward hook ([Note: stage boundaries]): the run in progress decides what the step sees."""
     runners = program()
     run = runners.current if runners is not None else None

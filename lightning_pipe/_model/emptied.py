@@ -31,7 +31,7 @@ import types
 import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Callable
 
 import torch
 from torch import nn
@@ -166,10 +166,10 @@ def ghost_parameters(module: nn.Module) -> Iterator[None]:
             vars(sub).pop("parameters", None)
 
 
-def _named_ghosts(names: dict[int, list[str]]) -> Any:
+def _named_ghosts(names: dict[int, list[str]]) -> Callable[..., Iterator[tuple[str, Ghost]]]:
     def named_parameters(
         module: nn.Module, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
-    ) -> Iterator[Any]:
+    ) -> Iterator[tuple[str, Ghost]]:
         subs = module.named_modules(prefix=prefix, remove_duplicate=remove_duplicate) if recurse else [(prefix, module)]
         seen: set[int] = set()
         for path, sub in subs:
@@ -183,7 +183,7 @@ def _named_ghosts(names: dict[int, list[str]]) -> Any:
     return named_parameters
 
 
-def _ghosts_only(named: Any) -> Any:
+def _ghosts_only(named: Callable[..., Iterator[tuple[str, Ghost]]]) -> Callable[..., Iterator[Ghost]]:
     def parameters(module: nn.Module, recurse: bool = True) -> Iterator[Ghost]:
         for _, ghost in named(recurse=recurse):
             yield ghost

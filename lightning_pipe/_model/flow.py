@@ -32,7 +32,7 @@ parameter directly (move that code into a module), and a boundary that would car
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 from lightning_pipe._errors import BackboneCallError
 
@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from lightning_pipe.partition import StageLayout
 
 #: ``("block", index, 0, leaf)`` or ``("module", path, call, leaf)``: where a value is produced (see the Note).
-Producer = tuple[str, Any, int, int]
+Producer = tuple[str, Union[int, str], int, int]
 
 
 def block_position(index: int) -> int:
@@ -146,7 +146,7 @@ def make_flow(structure: Any, layout: StageLayout, block_names: list[str]) -> Fl
     return Flow(tuple(tuple(s) for s in sends), names)
 
 
-def make_pass_flow(structure: Any, layout: Any, block_names: list[str], blocks: range, produced: set) -> Flow:
+def make_pass_flow(structure: Any, layout: StageLayout, block_names: list[str], blocks: range, produced: set) -> Flow:
     """The :class:`Flow` of a call that runs only ``blocks`` and, of the values the step's analysis saw, only
     those ``produced`` ([Note: partial passes] in :mod:`lightning_pipe._step.partial`): each is carried from
     where it is produced as far as its last use within the call, the code after ``blocks`` included, which runs on

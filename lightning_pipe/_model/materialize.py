@@ -7,7 +7,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 from torch import nn
@@ -78,7 +78,7 @@ class Materializer:
 
 def _init_seeded(
     sub: nn.Module, device: torch.device, seed: int, missing: set[str], initialised: set[int], recurse: bool = True,
-    hf_init: Optional[dict[int, Any]] = None,
+    hf_init: Optional[dict[int, Callable[[nn.Module], None]]] = None,
 ) -> None:
     """Initialise ``sub``'s meta tensors under ``seed``; tensors already initialised (shared) keep their values."""
     if not _has_meta(sub, recurse):
@@ -107,7 +107,7 @@ def _to_empty(module: nn.Module, device: torch.device, recurse: bool = True) -> 
             torch.utils.swap_tensors(tensor, real)
 
 
-def _reset(m: nn.Module, missing: set[str], hf_init: dict[int, Any]) -> None:
+def _reset(m: nn.Module, missing: set[str], hf_init: dict[int, Callable[[nn.Module], None]]) -> None:
     if not any(True for _ in itertools.chain(m.parameters(recurse=False), m.buffers(recurse=False))):
         return
     reset = getattr(m, "reset_parameters", None)
@@ -119,10 +119,10 @@ def _reset(m: nn.Module, missing: set[str], hf_init: dict[int, Any]) -> None:
         missing.add(type(m).__name__)
 
 
-def hugging_face_inits(module: nn.Module) -> dict[int, Any]:
+def hugging_face_inits(module: nn.Module) -> dict[int, Callable[[nn.Module], None]]:
     """``{id(submodule): init}``: the ``_init_weights`` of the innermost Hugging Face ``PreTrainedModel`` holding each
     module, which initialises what ``reset_parameters`` does not cover (a rotary embedding's ``inv_freq``)."""
-    inits: dict[int, Any] = {}
+    inits: dict[int, Callable[[nn.Module], None]] = {}
     for model in module.modules():
         init = getattr(model, "_init_weights", None)
         if callable(init) and hasattr(model, "config"):

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 #: The cut of every module split in this process (kept while the module lives; nothing is stored on the module).
-_cuts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_cuts: weakref.WeakKeyDictionary[nn.Module, Cut] = weakref.WeakKeyDictionary()
 
 
 def refuse_unsupported(
@@ -177,7 +177,7 @@ def _candidates_run(
     (a vision-language model's vision layers, for a step on text-only rows) is left out, so that auto chooses among
     the containers the step runs. A candidate whose analysis fails otherwise counts as run (without a structure: its
     error is raised again if it is chosen)."""
-    found: dict[str, Any] = {}
+    found: dict[str, Optional[tuple[Backbone, Structure]]] = {}
     for path in candidates:
         backbone = find_backbone(module, path)
         try:

@@ -28,12 +28,16 @@ the runtime weighs and back-propagates it as the plain tensor every tensor rank 
 from __future__ import annotations
 
 import fnmatch
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Union
+from typing import TYPE_CHECKING, Callable, Optional, Union
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import Placement
 
 #: ``tensor_parallel_plan``: a plan relative to a block, a callable, ``"auto"`` or ``None``.
 TensorParallelPlan = Union[None, str, dict, Callable[[nn.Module, DeviceMesh], None]]
@@ -109,7 +113,7 @@ def _refuse_sequence_parallel(path: str, style: ParallelStyle) -> None:
         )
 
 
-def _as_tuple(value: Any) -> tuple:
+def _as_tuple(value: Union[Placement, Sequence[Placement]]) -> tuple[Placement, ...]:
     return tuple(value) if isinstance(value, (list, tuple)) else (value,)
 
 

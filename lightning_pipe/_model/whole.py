@@ -26,7 +26,7 @@ import logging
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.distributed as dist
@@ -38,7 +38,7 @@ from lightning_pipe._compat.torch import fsdp_modules_in, restore_modules
 from lightning_pipe._ghost import Ghost
 
 if TYPE_CHECKING:
-    from lightning_pipe._model.cut import Cut
+    from lightning_pipe._model.cut import Cut, Registration
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +112,7 @@ def _gather(cut: Cut, group: dist.ProcessGroup, device: torch.device) -> dict[st
     """``{key: whole value}`` of every tensor of the model, on the CPU: a plain parameter this rank holds is kept as
     the object it is (no copy)."""
     rank = dist.get_rank(group)
-    by_key: dict[str, list[Any]] = {}
+    by_key: dict[str, list[Registration]] = {}
     for reg in cut.registrations:
         by_key.setdefault(reg.key, []).append(reg)
     values: dict[str, Tensor] = {}

@@ -5,11 +5,11 @@ pipeline and rebuilt there ([Note: lock step] in :mod:`lightning_pipe._step.gene
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn, Union
 
 import torch
 from torch import Tensor
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from lightning_pipe._errors import BackboneCallError
 from lightning_pipe._ghost import Ghost
@@ -23,7 +23,9 @@ class Failed:
     message: str
 
 
-def describe_answer(answer: Any, input_leaves: list[Any]) -> tuple[tuple[Any, list[tuple]], list[Tensor]]:
+def describe_answer(
+    answer: Any, input_leaves: list[Any]
+) -> tuple[tuple[Union[TreeSpec, Failed], list[tuple]], list[Tensor]]:
     """The header of the last stage's answer (its tree, and per leaf: a tensor's shape and dtype, an input's
     position, or a plain value) and its tensors."""
     if isinstance(answer, Failed):
@@ -55,7 +57,7 @@ def describe_answer(answer: Any, input_leaves: list[Any]) -> tuple[tuple[Any, li
     return (spec, kinds), tensors
 
 
-def rebuild_answer(spec: Any, kinds: list[tuple], tensors: list[Tensor], input_leaves: list[Any],
+def rebuild_answer(spec: Union[TreeSpec, Failed], kinds: list[tuple], tensors: list[Tensor], input_leaves: list[Any],
              device: torch.device) -> Any:
     if isinstance(spec, Failed):
         raise BackboneCallError(f"The last pipeline stage failed in a generation pass: {spec.message}")
@@ -81,7 +83,7 @@ class Unavailable:
     def __init__(self, kind: str) -> None:
         self._kind = kind
 
-    def __getattr__(self, name: str) -> Any:
+    def __getattr__(self, name: str) -> NoReturn:
         raise BackboneCallError(
             f"This {self._kind} was created inside a call of the pipelined model, which returns it; under"
             " `PipelineStrategy` each stage holds its own layers' part of it, so it cannot be used after the call."

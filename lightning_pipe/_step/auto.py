@@ -37,7 +37,7 @@ import math
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -363,8 +363,11 @@ class Chooser:
         fitting: whether the ``Trainer`` call trains; an evaluation alone runs today's defaults, untimed.
     """
 
-    def __init__(self, options: PipelineOptions, pipeline_size: int, measure: Callable[..., Any],
-                 module: torch.nn.Module, device: torch.device, fitting: bool) -> None:
+    def __init__(
+        self, options: PipelineOptions, pipeline_size: int,
+        measure: Callable[..., Union[list[float], list[BlockCost]]], module: torch.nn.Module, device: torch.device,
+        fitting: bool,
+    ) -> None:
         self.options, self.pipeline_size, self.measure = options, pipeline_size, measure
         self.module, self.device, self.fitting = module, device, fitting
         self.trial: Optional[Trial] = None

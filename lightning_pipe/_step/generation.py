@@ -37,12 +37,12 @@ import functools
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import TreeSpec, tree_leaves
 
 from lightning_pipe import _watchdog
 from lightning_pipe._compat.torch import Swaps
@@ -170,7 +170,7 @@ class LockStep:
             finally:
                 guard.remove()
 
-    def _outside_a_pass(self, block: nn.Module, args: Any) -> None:
+    def _outside_a_pass(self, block: nn.Module, args: tuple) -> None:
         if not self._in_pass:
             first = self.runtime.cut.backbone.blocks[0].name
             raise BackboneCallError(
@@ -270,7 +270,7 @@ class LockStep:
         self.caches.mirror()
         return result
 
-    def _share(self, answer: Any, inputs: Any, stage: int) -> Any:
+    def _share(self, answer: Any, inputs: tuple[tuple, dict], stage: int) -> Any:
         """The ``answer`` of ``stage`` (the last, or the answer stage of a partial pass) on every rank of the
         pipeline: its tensors broadcast, the objects it passed through from the call's inputs (a cache) taken from
         this rank's own inputs."""
@@ -278,7 +278,7 @@ class LockStep:
         group, src, device = runtime.pipeline.group, runtime.layout.stage_rank(stage), runtime.device
         mine = runtime.pipeline.pipeline_rank == src
         input_leaves = tree_leaves(inputs)
-        header: list[Any] = [None]
+        header: list[Optional[tuple[Union[TreeSpec, Failed], list[tuple]]]] = [None]
         tensors: list[Tensor] = []
         if mine:
             header[0], tensors = describe_answer(answer, input_leaves)

@@ -30,12 +30,16 @@ blocks only. A model call that runs some of the backbone's containers is a pass 
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from torch import nn
 
 from lightning_pipe._errors import BackboneCallError
 from lightning_pipe._model.flow import Flow, make_pass_flow
+
+if TYPE_CHECKING:
+    from lightning_pipe._model.cut import Cut
+    from lightning_pipe._step.pass_inputs import PassInputs
 
 
 class PartialPasses:
@@ -59,7 +63,7 @@ class PartialPasses:
         self.outside = outside_encoders(runtime.module, runtime.cut, path_modules)
         self.outside_called = False  # whether a step called one (the decoder's calls are then given its output)
 
-    def flow_of(self, module: nn.Module, call: Callable[..., Any], first: int, inputs: Any) -> Optional[Flow]:
+    def flow_of(self, module: nn.Module, call: Callable[..., Any], first: int, inputs: PassInputs) -> Optional[Flow]:
         """What the stages carry in a call of ``module`` whose first block is ``first``: ``None`` for a call of the
         whole backbone, else the flow of the blocks it runs ([Note: partial passes]); learnt at its first call."""
         backbone = self.runtime.cut.backbone
@@ -103,7 +107,7 @@ class PartialPasses:
 
 
 def outside_encoders(
-    root: nn.Module, cut: Any, path_modules: list[nn.Module]
+    root: nn.Module, cut: Cut, path_modules: list[nn.Module]
 ) -> dict[int, tuple[str, nn.Module, frozenset[int]]]:
     """The encoders outside the backbone that ``generate()`` calls on its own: what an encoder-decoder path module's
     ``get_encoder()`` returns when the backbone holds none of it (Florence2's language encoder runs before the

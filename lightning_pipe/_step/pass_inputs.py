@@ -35,7 +35,7 @@ class PassInputs:
         self.names = positional_names(module, len(args))
 
     def lp_rows(self, start: int, stop: int, probing: Optional[str]) -> tuple[tuple, dict]:
-        def cut(value: Any, name: Any = None) -> Any:
+        def cut(value: Any, name: Optional[str] = None) -> Any:
             if is_cache(value):
                 return self.caches.for_rows(value, start, stop, probing)
             if name in NOT_BATCHED:
@@ -49,7 +49,7 @@ class PassInputs:
         return args, {k: cut(v, k) for k, v in self.kwargs.items()}
 
 
-def rows_not_first(name: Any, value: Any, batch_size: int) -> bool:
+def rows_not_first(name: Optional[str], value: Any, batch_size: int) -> bool:
     """Whether ``value``, passed as ``name``, holds the batch's rows in a dimension other than its first."""
     if name not in ROWS_DIM or not isinstance(value, Tensor):
         return False
