@@ -229,6 +229,8 @@ class BlockRunners:
         self.rows_dim = 0
         self._runners = [Runner(self, i, backbone.module(i)) for i in range(len(backbone))]
         self._blocks = [backbone.module(i) for i in range(len(backbone))]
+        #: (block, its arguments' shapes) -> the shapes of what it returns when skipped (:meth:`skipped_output`)
+        self._skipped_shapes: dict[tuple[int, tuple], list[Optional[tuple[int, ...]]]] = {}
         # key -> (owner, name, kind, real, ghost) of the held tensors read before the window
         self._swaps = {
             key: [
@@ -314,20 +316,18 @@ class BlockRunners:
             return self.output_like(index, hidden)
         plain = not kwargs and all(isinstance(a, Tensor) for a in args)  # the common call: skip the pytree walk
         arg_leaves = list(args) if plain else tree_leaves((args, kwargs))
-        shapes = [tuple(t.shape) for t in arg_leaves if isinstance(t, Tensor)]
-        sizes = size_map_of_shapes(io.arg_shapes, shapes)
-        # No size map when one old size takes two new ones (a batch of 8 over 8 image patches, as a microbatch of 2):
-        # an output shaped like an argument then takes that argument's new shape.
-        like_arg = {} if sizes is not None else dict(reversed(list(zip(io.arg_shapes, shapes))))
+        shapes = tuple(tuple(t.shape) for t in arg_leaves if isinstance(t, Tensor))
+        out_shapes = self._skipped_shapes.get((index, shapes))
+        if out_shapes is None:
+            out_shapes = self._skipped_shapes[(index, shapes)] = _skipped_shapes(io, list(shapes))
+            if len(self._skipped_shapes) > 4096:  # shapes that change every batch: keep the newest
+                del self._skipped_shapes[next(iter(self._skipped_shapes))]
         leaves = []
-        for i, leaf in enumerate(io.out_leaves):
+        for i, (leaf, shape) in enumerate(zip(io.out_leaves, out_shapes)):
             value = given.get(("block", index, 0, i))
             if value is None and i in io.passed:
                 value = arg_leaves[io.passed[i]]
-            if value is None and isinstance(leaf, Tensor):
-                shape = like_arg.get(tuple(leaf.shape), tuple(leaf.shape)) if sizes is None else tuple(
-                    sizes.get(d, d) for d in leaf.shape
-                )
+            if value is None and shape is not None:
                 if isinstance(hidden, Ghost) and tuple(hidden.shape) == shape and hidden.dtype == leaf.dtype:
                     value = hidden  # the common case: a block returns its hidden state's shape (no new ghost)
                 else:
@@ -397,6 +397,20 @@ class _Capture(BlockCalls):
     def call_block(self, index: int, block: nn.Module, args: tuple, kwargs: dict) -> Any:
         raise Stop((index, get_hidden(args, kwargs, self.locate_hidden(index, args, kwargs))))
 
+
+
+def _skipped_shapes(io: BlockIO, shapes: list[tuple[int, ...]]) -> list[Optional[tuple[int, ...]]]:
+    """The shape of each tensor a skipped block returns, for arguments of ``shapes`` (``None`` for the leaves that are
+    not tensors): setup's shapes with its sizes mapped to these arguments'."""
+    sizes = size_map_of_shapes(io.arg_shapes, shapes)
+    # No size map when one old size takes two new ones (a batch of 8 over 8 image patches, as a microbatch of 2): an
+    # output shaped like an argument then takes that argument's new shape.
+    like_arg = {} if sizes is not None else dict(reversed(list(zip(io.arg_shapes, shapes))))
+    return [
+        None if not isinstance(leaf, Tensor) else like_arg.get(tuple(leaf.shape), tuple(leaf.shape)) if sizes is None
+        else tuple(sizes.get(d, d) for d in leaf.shape)
+        for leaf in io.out_leaves
+    ]
 
 
 def size_map_of_shapes(
