@@ -27,7 +27,7 @@ def test_the_sample_is_exact(tmp_path):
 
     out = tmp_path / "results.json"
     args = [str(SCRIPTS / "conformance.py"), "--only", "sample", "--out", str(out), "--work", str(tmp_path / "work"),
-            "--timeout", "150", "--chunk", str(len(SAMPLE))]
+            "--timeout", "150", "--chunk", str(len(SAMPLE)), "--keep-launches"]
     proc = run_script(args, cwd=tmp_path, timeout=420)
     assert proc.returncode == 0, proc.stdout[-6000:]
     results = json.loads(out.read_text())["results"]
