@@ -86,6 +86,9 @@ class StepProgram(BlockRunners):
         self.flow = flow
         self.stage_bounds = stage_bounds
         self.checkpointed = checkpointed
+        #: whether the schedule splits the backward into input and weight gradients: the values a stage sends then go
+        #: through :class:`_HandOver` (the runtime sets it with the schedule)
+        self.hand_over = True
         self.step: Optional[Callable[..., Any]] = None
         self.batch: Any = None
         self.batch_size = 0
@@ -315,7 +318,8 @@ class _Window(BlockCalls):
                     " return a local tensor (`use_local_output=True` in its tensor-parallel style), replicated over"
                     " the tensor ranks, or run that code inside a block."
                 )
-            sent.append(_HandOver.apply(value, anchor) if value.requires_grad else value.contiguous())
+            handed = value.requires_grad and self.program.hand_over
+            sent.append(_HandOver.apply(value, anchor) if handed else value.contiguous())
         return tuple(sent)
 
 
@@ -339,7 +343,8 @@ class _Census(BlockCalls):
 
 class _HandOver(torch.autograd.Function):
     """``value`` as the stage sends it, for torch's zero-bubble schedules, which split the backward into input and
-    weight gradients:
+    weight gradients (the others send the value itself: a whole backward needs neither, and this node costs an
+    autograd call per value and microbatch each way):
 
     - a new tensor over the same memory that is not a view: torch detaches a stage's outputs in place once their
       input gradients are computed, and a value the stage also uses itself (a block's output that a later block of

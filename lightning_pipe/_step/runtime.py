@@ -143,6 +143,7 @@ class PipelineRuntime:
             module, cut.backbone, cut.structure, cut.flow, bounds, swaps=cut.window_swaps(rank), device=device,
             checkpointed=checkpointed,
         )
+        self.program.hand_over = schedule.splits_backward
         if sharding is None:
             stage_modules = {s: StageModule(self.program, s, cut.stage_parameters(s)) for s in bounds}
         else:  # torch computes weight gradients for the parameters the forward used: the unsharded ones
@@ -193,6 +194,7 @@ class PipelineRuntime:
         if config == self.config:
             return
         self.config, self.schedule = config, config.spec
+        self.program.hand_over = self.schedule.splits_backward
         self.microbatches = MicrobatchPolicy.of(config, self.layout.pipeline_size)
         self.pipeline.use(self.schedule, self.microbatches.nominal)
 
