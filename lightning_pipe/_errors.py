@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, Optional
+
+if TYPE_CHECKING:
+    from types import TracebackType
 
 
 class BackboneCallError(RuntimeError):
@@ -38,7 +41,9 @@ class stop_iteration_fails:  # a context manager, named like contextlib's
     def __enter__(self) -> None:
         return None
 
-    def __exit__(self, kind: Any, err: Any, traceback: Any) -> None:
+    def __exit__(
+        self, kind: Optional[type[BaseException]], err: Optional[BaseException], traceback: Optional[TracebackType]
+    ) -> None:
         if isinstance(err, StopIteration):
             raise RuntimeError(
                 "The step raised `StopIteration` under `PipelineStrategy` (Lightning would take it for the end of the"

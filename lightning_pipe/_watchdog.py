@@ -41,7 +41,10 @@ import time
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
+
+if TYPE_CHECKING:
+    import subprocess
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +68,7 @@ class Watchdog:
     def __init__(
         self,
         rank: int,
-        children: Callable[[], list[Any]] = list,
+        children: Callable[[], list[subprocess.Popen]] = list,
         stall_after: Optional[float] = None,
         grace: float = SIGNAL_GRACE_S,
     ) -> None:
@@ -214,7 +217,7 @@ def _main_stack() -> str:
 _active: Optional[Watchdog] = None
 
 
-def start(rank: int, children: Callable[[], list[Any]], stall_after: Optional[float]) -> None:
+def start(rank: int, children: Callable[[], list[subprocess.Popen]], stall_after: Optional[float]) -> None:
     """Start the process's watchdog (once; later calls update what it reports)."""
     global _active
     if _active is None:

@@ -7,7 +7,7 @@ knows it once its last microbatch's loss ran. Why on a group of its own, and why
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -31,7 +31,7 @@ class LossWeightChannel:
         self._weight: Optional[float] = None
         self._box: Optional[Tensor] = None
         self._receive: Optional[dist.Work] = None
-        self._sends: list[Any] = []
+        self._sends: list[Optional[dist.Work]] = []
 
     def expect(self, is_last: bool) -> None:
         """Before the schedule: forget the last step's weight and, on a rank without the last stage, post the receive

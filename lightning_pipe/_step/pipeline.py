@@ -22,7 +22,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -57,10 +57,20 @@ from lightning_pipe.partition import StageLayout
 from lightning_pipe.schedules import ScheduleSpec
 from lightning_pipe.timeline import TimelineRecorder
 
+if TYPE_CHECKING:
+    from torch.distributed.pipelining.schedules import PipelineScheduleMulti
+
+    #: A schedule object of torch's (every schedule in ``lightning_pipe.schedules`` is one of torch's classes).
+    _Schedule = Union[PipelineScheduleSingle, PipelineScheduleMulti]
+
 log = logging.getLogger(__name__)
 shown = logging.getLogger("lightning.pytorch.lightning_pipe")  # printed on every rank, as Lightning's own messages
 #: ``probe(stage, rows, received) -> output``: a stage's output shapes for its input shapes, leaving no trace.
 Probe = Callable[[int, torch.Tensor, Optional[Metas]], Metas]
+#: What torch's ``PipelineStage.backward_maybe_with_nosync`` returns: the input gradients and the parameter groups.
+BackwardResult = tuple[tuple[Optional[torch.Tensor], ...], Optional[list[dict[str, Any]]]]
+#: ``override(backward)``: runs ``backward()`` through the user's ``backward`` override and returns its result.
+BackwardOverride = Callable[[Callable[[], BackwardResult]], BackwardResult]
 
 
 class StageModule(nn.Module):
@@ -87,7 +97,7 @@ class StageModule(nn.Module):
             return iter(self._current())
         return super().parameters(recurse)
 
-    def forward(self, *inputs: torch.Tensor, lp_rows: torch.Tensor) -> Any:
+    def forward(self, *inputs: torch.Tensor, lp_rows: torch.Tensor) -> Union[torch.Tensor, tuple[torch.Tensor, ...]]:
         for received in inputs if self.stage > 0 and len(inputs) > 1 else ():
             if received.requires_grad:  # torch sends the gradient as computed: a broadcast value's may be strided
                 received.register_hook(_contiguous)
@@ -101,17 +111,21 @@ class ReducingStage(PipelineStage):
 
     overlap: Optional[ReductionOverlap] = None
     #: The user's ``backward`` override that the last stage's backward runs through ([Note: backward overrides]).
-    through_override: Optional[Callable[[Callable[[], Any]], Any]] = None
+    through_override: Optional[BackwardOverride] = None
     #: The stage holds compiled blocks and the schedule splits the backward: its input-gradient action runs the whole
     #: backward and its weight-gradient action has nothing left to do ([Note: compiled blocks]).
     whole_backward: bool = False
 
-    def backward_maybe_with_nosync(self, backward_type: Any, bwd_kwargs: dict, *args: Any, **kwargs: Any) -> Any:
+    def backward_maybe_with_nosync(
+        self, backward_type: Literal["full", "input", "weight"], bwd_kwargs: dict, *args: bool, **kwargs: bool
+    ) -> BackwardResult:
         if self.is_last and self.through_override is not None and backward_type in ("full", "input"):
             return self.through_override(lambda: self._backward(backward_type, bwd_kwargs, *args, **kwargs))
         return self._backward(backward_type, bwd_kwargs, *args, **kwargs)
 
-    def _backward(self, backward_type: Any, bwd_kwargs: dict, *args: Any, **kwargs: Any) -> Any:
+    def _backward(
+        self, backward_type: Literal["full", "input", "weight"], bwd_kwargs: dict, *args: bool, **kwargs: bool
+    ) -> BackwardResult:
         if self.whole_backward and backward_type == "input":  # input actions are never a step's last backward
             whole = dict(bwd_kwargs)
             if whole["output_grads"] is None:  # the last stage: torch wrapped the loss in a tuple for its input action,
@@ -125,7 +139,9 @@ class ReducingStage(PipelineStage):
                 return self._backward_now(backward_type, bwd_kwargs, *args, **kwargs)
         return self._backward_now(backward_type, bwd_kwargs, *args, **kwargs)
 
-    def _backward_now(self, backward_type: Any, bwd_kwargs: dict, *args: Any, **kwargs: Any) -> Any:
+    def _backward_now(
+        self, backward_type: Literal["full", "input", "weight"], bwd_kwargs: dict, *args: bool, **kwargs: bool
+    ) -> BackwardResult:
         last = kwargs.get("last_backward", args[0] if args else False)
         if self.overlap is None or not last or backward_type != "full":
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, *args, **kwargs)
@@ -178,7 +194,7 @@ class StagePipeline:
         #: boundary carries ([Note: stage boundaries]): this rank's own message, ``1 / tensor_parallel_size`` of the
         #: activation with sequence parallelism
         self.boundary_bytes: dict[int, int] = {}
-        self.through_override: Optional[Callable[[Callable[[], Any]], Any]] = None  # set by the runtime
+        self.through_override: Optional[BackwardOverride] = None  # set by the runtime
         #: this rank's stages that hold compiled blocks (set by the runtime; [Note: compiled blocks])
         self.compiled_stages: frozenset[int] = frozenset()
 
@@ -256,7 +272,7 @@ class StagePipeline:
         return outputs if isinstance(output, tuple) else outputs[0]
 
     @contextmanager
-    def _dropped_if_it_fails(self, schedule: Any) -> Iterator[None]:
+    def _dropped_if_it_fails(self, schedule: _Schedule) -> Iterator[None]:
         """Forget ``schedule`` and its stages if the block raises, so that the next batch of that shape builds new
         ones.
 
@@ -306,7 +322,7 @@ class StagePipeline:
         shapes = tuple((tuple(t.shape), t.dtype) for t in tree_leaves(sample) if isinstance(t, torch.Tensor))
         return rows, shapes, num_microbatches, training, torch.is_autocast_enabled(self.device.type), kind
 
-    def _schedule_for(self, key: tuple) -> Any:
+    def _schedule_for(self, key: tuple) -> _Schedule:
         """The schedule kept for ``key`` (:meth:`_key_for`), built when it is not."""
         schedule = self._schedules.get(key)
         if schedule is None:
@@ -314,7 +330,7 @@ class StagePipeline:
             schedule = self._build(key, rows, num_microbatches, training)
         return schedule
 
-    def _build(self, key: tuple, rows: int, num_microbatches: int, training: bool) -> Any:
+    def _build(self, key: tuple, rows: int, num_microbatches: int, training: bool) -> _Schedule:
         """Build and keep the schedule of a shape not kept, evicting the least recently used beyond the bound."""
         start = time.perf_counter()
         metas = self._stage_metas(key, rows)
@@ -351,7 +367,7 @@ class StagePipeline:
             stages.append(stage)
         return stages
 
-    def _make_schedule(self, stages: list[PipelineStage], num_microbatches: int, training: bool) -> Any:
+    def _make_schedule(self, stages: list[PipelineStage], num_microbatches: int, training: bool) -> _Schedule:
         loss_fn = self._loss if training else None
         multi = self.schedule.multi_stage
         try:
@@ -492,7 +508,7 @@ def _contiguous(grad: torch.Tensor) -> torch.Tensor:
     return grad.contiguous()
 
 
-def _construct(cls: type, stages: list, n: int, loss_fn: Optional[Callable], multi: bool) -> Any:
+def _construct(cls: type, stages: list, n: int, loss_fn: Optional[Callable], multi: bool) -> _Schedule:
     if multi:
         return cls(stages, n, loss_fn=loss_fn, scale_grads=False)
     if issubclass(cls, PipelineScheduleSingle) and len(stages) != 1:

@@ -11,7 +11,7 @@ import functools
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -47,7 +47,7 @@ class ReplicaBuckets:
         self.bucket_bytes = bucket_bytes
         self._buckets: dict[tuple, list[nn.Parameter]] = {}
         self._filled: dict[tuple, int] = {}  # bytes in each bucket
-        self._in_flight: list[tuple[list[nn.Parameter], Tensor, Any, Callable[[], None]]] = []
+        self._in_flight: list[tuple[list[nn.Parameter], Tensor, dist.Work, Callable[[], None]]] = []
         self.reduced: set[nn.Parameter] = set()
 
     def start(self) -> None:

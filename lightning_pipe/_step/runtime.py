@@ -33,7 +33,7 @@ import time
 import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -75,6 +75,14 @@ from lightning_pipe._step.traced_step import StepTimeline
 from lightning_pipe.partition import StageLayout
 from lightning_pipe.schedules import Config
 
+if TYPE_CHECKING:
+    from contextlib import AbstractContextManager
+
+    import lightning.pytorch as pl
+
+    from lightning_pipe._step.pipeline import BackwardOverride
+    from lightning_pipe._step.shapes import Metas
+
 log = logging.getLogger(__name__)
 
 
@@ -104,7 +112,7 @@ class PipelineRuntime:
 
     def __init__(
         self,
-        module: Any,
+        module: pl.LightningModule,
         cut: Cut,
         *,
         config: Config,
@@ -113,13 +121,13 @@ class PipelineRuntime:
         tie_groups: Sequence[tuple[dist.ProcessGroup, list[nn.Parameter]]],
         device: torch.device,
         checkpointed: Callable[[nn.Module], bool],
-        amp_scaler: Any = None,
+        amp_scaler: Optional[torch.amp.GradScaler] = None,
         timeline: Optional[_timeline.TimelineOptions] = None,
         check_data_every: Optional[int] = None,
         sharding: Optional[StageSharding] = None,
         scale_group: Optional[dist.ProcessGroup] = None,
         tensor_group: Optional[dist.ProcessGroup] = None,
-        through_override: Optional[Callable[[Callable[[], Any]], Any]] = None,
+        through_override: Optional[BackwardOverride] = None,
         choice: Optional[Choice] = None,
         trial: Optional[Trial] = None,
     ) -> None:
@@ -397,7 +405,7 @@ class PipelineRuntime:
         finally:
             self.sharding.reshard()
 
-    def _probe(self, stage: int, rows: Tensor, received: Optional[tuple]) -> tuple:
+    def _probe(self, stage: int, rows: Tensor, received: Optional[Metas]) -> Metas:
         """The outputs' ``(shape, dtype)`` of ``stage`` on the microbatch ``rows``, for inputs of ``received``'s.
 
         The stage runs on ghosts: no compute, nothing changes (buffers, random state, metrics). A stage that cannot
@@ -450,7 +458,7 @@ class PipelineRuntime:
             self._mean_warned = True
             warn_unweighted(message)
 
-    def _waiting_for_last_stage(self) -> Any:
+    def _waiting_for_last_stage(self) -> AbstractContextManager[None]:
         rank = self.pipeline.last_stage_rank
         return _watchdog.waiting(lambda: f"the step's loss and logs from the last stage (pipeline rank {rank})")
 

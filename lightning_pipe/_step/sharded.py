@@ -8,10 +8,13 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from dataclasses import fields
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 from lightning_pipe._compat.torch import fsdp_defer_reduction, fsdp_reduce_now, fsdp_scale_unsharded_grads
 from lightning_pipe._model.shard import StageSharding
+
+if TYPE_CHECKING:
+    from contextlib import AbstractContextManager
 
 
 class ShardedStages(StageSharding):
@@ -31,7 +34,9 @@ class ShardedStages(StageSharding):
         for unit in self.units:
             fsdp_defer_reduction(unit)
 
-    def reduce(self, scale: float, span: Callable[[str], Any], skip: Collection[int] = ()) -> None:
+    def reduce(
+        self, scale: float, span: Callable[[str], AbstractContextManager[None]], skip: Collection[int] = ()
+    ) -> None:
         """Scale the accumulated unsharded gradients by ``scale`` and reduce them into the sharded ``.grad``
         (``span(name)`` around each unit's reduction, for the timeline), but for the units whose ids are in ``skip``
         (reduced in the last backward already)."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from torch import nn
 
@@ -60,12 +60,12 @@ class UnitReduceScatter:
 
 def _weighted(
     unit: nn.Module, weight: Callable[[], float], recorder: Optional[TimelineRecorder]
-) -> Callable[[Callable[[float], Any]], Any]:
+) -> Callable[[Callable[[float], None]], None]:
     """``around(reduce)`` for :func:`~lightning_pipe._compat.torch.fsdp_reduce_in_backward`: the unit's reduction
     with the step's loss weight, traced."""
     name = type(unit).__name__.removeprefix("FSDP")
 
-    def around(reduce: Callable[[float], Any]) -> Any:
+    def around(reduce: Callable[[float], None]) -> None:
         scale = weight()
         what = f"reduce-scatter {name} (in backward)"
         with recorder.collective(what) if recorder is not None else nullcontext():
