@@ -564,3 +564,34 @@ def test_auto_chooses_among_the_containers_the_step_runs(caplog):
     model = _TextOnlyRows(with_images=True)
     backbone, _ = _backbone_of(model, "auto", model.training_step, (batch, 0), torch.device("cpu"), True)
     assert backbone.paths == ("vision", "layers")
+
+
+class _EncoderVisionDecoder(L.LightningModule):
+    """T5Gemma2 in the conformance sweep: an encoder's layers, a vision tower's (registered between them, never run on
+    text-only rows), then a decoder's, as long as the encoder's and as heavy."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.ModuleList([_SelfLayer(4) for _ in range(2)])
+        self.vision = nn.ModuleList([_SelfLayer(8) for _ in range(2)])
+        self.decoder = nn.ModuleList([_SelfLayer(4) for _ in range(2)])
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x = batch
+        for layer in self.encoder:
+            x = layer(x)
+        y = x
+        for layer in self.decoder:
+            y = layer(y)
+        return y.pow(2).mean()
+
+
+def test_auto_pipelines_the_containers_the_step_runs_one_after_the_other():
+    """Of consecutive candidates, one the step never runs (the vision tower between encoder and decoder) is left out
+    and the others, run one after the other, are the backbone; before, the two equal ones were refused as a tie."""
+    from lightning_pipe._model.split import _backbone_of
+
+    model = _EncoderVisionDecoder()
+    backbone, structure = _backbone_of(model, "auto", model.training_step, (torch.randn(2, 4), 0),
+                                       torch.device("cpu"), True)
+    assert backbone.paths == ("encoder", "decoder") and len(structure.hidden_at) == 4

@@ -144,29 +144,43 @@ def _backbone_of(
     ``find_backbone`` picks (or refuses as ambiguous)."""
     candidates = consecutive_candidates(module) if spec == "auto" else None
     if candidates is not None:
-        backbone = find_backbone(module, candidates)
-        try:
-            structure = analyze(module, backbone, step, args, device, training=fitting)
-        except BackboneCallError as err:
-            log.debug("backbone='auto': %s do not run one after the other (%s)", candidates, err)
-            structure = None
-        starts = {b.index for b in backbone.blocks if b.key == next(iter(backbone.containers[b.container]._modules))}
-        if structure is not None and not all(structure.chained[i] for i in range(len(backbone)) if i not in starts):
-            log.debug("backbone='auto': within %s, a block does not take the one before's output", candidates)
-            structure = None
-        if structure is not None:
-            rank_zero_info(
-                f"PipelineStrategy: pipelining {backbone.describe()}, which the step runs one after the other; set"
-                " `backbone=` to choose others."
-            )
-            return backbone, structure
+        found = _consecutive(module, candidates, step, args, device, fitting)
+        if found is not None:
+            return found
     tried = {} if candidates is None else _candidates_run(module, candidates, step, args,
                                                           device=device, fitting=fitting)
+    ran = [path for path in candidates or () if tried.get(path) is not None]
+    if 1 < len(ran) < len(candidates or ()):  # the step runs only some of them (a text-only step, no vision tower)
+        found = _consecutive(module, ran, step, args, device, fitting)
+        if found is not None:
+            return found
     backbone = find_backbone(module, spec, runs=tried or None)
-    found = tried.get(backbone.paths[0]) if len(backbone.paths) == 1 else None
-    if found is not None:
-        return found
+    one = tried.get(backbone.paths[0]) if len(backbone.paths) == 1 else None
+    if one is not None:
+        return one
     return backbone, analyze(module, backbone, step, args, device, training=fitting)
+
+
+def _consecutive(
+    module: nn.Module, paths: list[str], step: Callable[..., Any], args: tuple, device: torch.device, fitting: bool,
+) -> Optional[tuple[Backbone, Structure]]:
+    """The containers ``paths`` as one backbone, when the step runs them one after the other, each block's output the
+    next one's input within each; else None."""
+    backbone = find_backbone(module, paths)
+    try:
+        structure = analyze(module, backbone, step, args, device, training=fitting)
+    except BackboneCallError as err:
+        log.debug("backbone='auto': %s do not run one after the other (%s)", paths, err)
+        return None
+    starts = {b.index for b in backbone.blocks if b.key == next(iter(backbone.containers[b.container]._modules))}
+    if not all(structure.chained[i] for i in range(len(backbone)) if i not in starts):
+        log.debug("backbone='auto': within %s, a block does not take the one before's output", paths)
+        return None
+    rank_zero_info(
+        f"PipelineStrategy: pipelining {backbone.describe()}, which the step runs one after the other; set"
+        " `backbone=` to choose others."
+    )
+    return backbone, structure
 
 
 def _candidates_run(
