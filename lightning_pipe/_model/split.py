@@ -144,14 +144,14 @@ def _backbone_of(
     ``find_backbone`` picks (or refuses as ambiguous)."""
     candidates = consecutive_candidates(module) if spec == "auto" else None
     if candidates is not None:
-        found = _consecutive(module, candidates, step, args, device, fitting)
+        found = _consecutive(module, candidates, step, args, device=device, fitting=fitting)
         if found is not None:
             return found
     tried = {} if candidates is None else _candidates_run(module, candidates, step, args,
                                                           device=device, fitting=fitting)
     ran = [path for path in candidates or () if tried.get(path) is not None]
     if 1 < len(ran) < len(candidates or ()):  # the step runs only some of them (a text-only step, no vision tower)
-        found = _consecutive(module, ran, step, args, device, fitting)
+        found = _consecutive(module, ran, step, args, device=device, fitting=fitting)
         if found is not None:
             return found
     backbone = find_backbone(module, spec, runs=tried or None)
@@ -162,7 +162,7 @@ def _backbone_of(
 
 
 def _consecutive(
-    module: nn.Module, paths: list[str], step: Callable[..., Any], args: tuple, device: torch.device, fitting: bool,
+    module: nn.Module, paths: list[str], step: Callable[..., Any], args: tuple, *, device: torch.device, fitting: bool,
 ) -> Optional[tuple[Backbone, Structure]]:
     """The containers ``paths`` as one backbone, when the step runs them one after the other, each block's output the
     next one's input within each; else None."""
