@@ -37,7 +37,6 @@ from lightning_pipe._lightning import callbacks as _callbacks
 from lightning_pipe._lightning import data
 from lightning_pipe._lightning.backward import through_backward_override
 from lightning_pipe._lightning.options import PipelineOptions
-from lightning_pipe._lightning.parallel_dims import ParallelDims
 from lightning_pipe._lightning.precision import PipelinePrecision
 from lightning_pipe._lightning.summary import summarize_whole_model
 from lightning_pipe._model.activation_checkpointing import checkpointed_blocks
@@ -48,6 +47,7 @@ from lightning_pipe._model.pretrained import read_marked
 from lightning_pipe._model.profile import BlockCost, first_batch, measure_backbone
 from lightning_pipe._model.shard import refuse_unshardable, refuse_user_sharding
 from lightning_pipe._model.split import analyse, cut_module, previous_cut, refuse_unsupported, reuse_cut
+from lightning_pipe._parallel_dims import ParallelDims
 from lightning_pipe._step.auto import Chooser, choice_of, profiled_config
 from lightning_pipe._step.microbatches import MicrobatchPolicy
 from lightning_pipe._step.runtime import PipelineRuntime

@@ -8,13 +8,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Union
+from typing import Literal, Union
 
 __all__ = ["BALANCE_MODES", "StageLayout", "make_layout", "resolve_sizes", "split_sizes"]
 
 BalanceSpec = Union[str, Sequence[int]]
 
 BALANCE_MODES = ("uniform", "parameters", "time")
+#: a degree or count the user gives, or ``"auto"``
+Size = Union[int, Literal["auto"]]
 
 
 @dataclass(frozen=True)
@@ -155,7 +157,7 @@ def make_layout(
     return StageLayout(tuple(bounds), pipeline_size, style)
 
 
-def resolve_sizes(pp: Union[int, str], dp: Union[int, str], world_size: int) -> tuple[int, int]:
+def resolve_sizes(pp: Size, dp: Size, world_size: int) -> tuple[int, int]:
     """``(pipeline_parallel_size, data_parallel_size)`` for ``world_size`` processes, either given as ``"auto"``."""
     given_pp, given_dp = pp, dp
     if pp == "auto":

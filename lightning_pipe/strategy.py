@@ -40,11 +40,11 @@ from lightning_pipe._lightning.collectives import WatchedCollectives
 from lightning_pipe._lightning.options import DataParallel as _DataParallel
 from lightning_pipe._lightning.options import Size as _Size
 from lightning_pipe._lightning.options import option_arguments, validated_options
-from lightning_pipe._lightning.parallel_dims import ParallelDims
 from lightning_pipe._lightning.precision import pipeline_precision
 from lightning_pipe._model.configure_model import ConfigureModelCalls, recording
 from lightning_pipe._model.cut import drop_ghosts
 from lightning_pipe._model.tensor_parallel import TensorParallelPlan
+from lightning_pipe._parallel_dims import ParallelDims
 from lightning_pipe._setup import SetupArgs, build_pipeline
 from lightning_pipe._step.runtime import PipelineRuntime
 from lightning_pipe.checkpoint import _dcp, _files, _hf
@@ -302,7 +302,7 @@ class PipelineStrategy(ModuleAfterCall, WatchedCollectives, ParallelStrategy):
         if self._dims is None:
             # Built once per strategy: Lightning keeps each logged key's `sync_dist_group` across `fit`, `validate`,
             # `test` on one Trainer and refuses another group object for the same key.
-            self._dims = ParallelDims.of(self._options, self.world_size, self.num_processes)
+            self._dims = self._options.parallel_dims(self.world_size, self.num_processes)
             self._dims.build(self.root_device.type, self._process_group_backend, self._timeout)
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self.device_mesh  # what `LightningModule.device_mesh` returns

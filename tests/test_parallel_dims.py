@@ -9,7 +9,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
-from lightning_pipe._lightning.parallel_dims import (
+from lightning_pipe._model.configure_model import recording
+from lightning_pipe._model.shard import outside_modules
+from lightning_pipe._model.tensor_parallel import recorded_plan
+from lightning_pipe._parallel_dims import (
     DATA,
     DATA_REPLICATE,
     DATA_SHARD,
@@ -19,9 +22,6 @@ from lightning_pipe._lightning.parallel_dims import (
     hsdp_shard_size,
     is_tensor_parallel,
 )
-from lightning_pipe._model.configure_model import recording
-from lightning_pipe._model.shard import outside_modules
-from lightning_pipe._model.tensor_parallel import recorded_plan
 
 
 @pytest.mark.parametrize(

@@ -102,7 +102,7 @@ torch (checked against 2.13.0, 2.14.1 and 2.15.0; ``pyproject.toml`` pins ``<2.1
   Checked against 2.13.0 (``tests/test_models.py``: T5 under InterleavedZeroBubble, Flux under ZBVZeroBubble).
 - ``DeviceMesh._flatten(mesh_dim_name, backend_override=...)``: the HSDP mesh's ``"data_parallel"`` dimension, its
   ``"data_parallel_replicate"`` and ``"data_parallel_shard"`` dimensions flattened into one
-  (``_lightning/parallel_dims.py``: ``ParallelDims.build``), so that ``mesh["data_parallel"]`` is the replicas of a
+  (``_parallel_dims.py``: ``ParallelDims.build``), so that ``mesh["data_parallel"]`` is the replicas of a
   pipeline rank in every mode, as torchtitan's ``ParallelDims`` flattens its meshes; ``init_device_mesh`` has no public
   way to add a flattened dimension. Checked against 2.13.0, with the signature.
 - ``ParallelStyle._apply(module, device_mesh)``: the method through which ``parallelize_module`` applies every
@@ -224,7 +224,7 @@ PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     ("torch.distributed.pipelining", "PipelineStage.backward_maybe_with_nosync"),  # _step/pipeline.py: ReducingStage
     ("torch.distributed.pipelining._backward", "get_param_groups"),  # .torch.merged_param_groups
     ("torch.distributed.pipelining.stage", "stage_backward_weight"),  # .torch.weight_gradients_keep_graph
-    ("torch.distributed.device_mesh", "DeviceMesh._flatten"),  # _lightning/parallel_dims.py: ParallelDims.build
+    ("torch.distributed.device_mesh", "DeviceMesh._flatten"),  # _parallel_dims.py: ParallelDims.build
     ("torch.distributed.tensor.parallel.style", "ParallelStyle._apply"),  # _compat/torch.py, _model/tensor_parallel.py
     # torch: what configure_model asks of fully_shard and checkpoint_wrapper (_compat/torch.py)
     ("torch.distributed._composable.contract", "STATE_KEY"),

@@ -12,7 +12,8 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, Union
 
 from lightning_pipe._bytes import parse_bytes
-from lightning_pipe.partition import BALANCE_MODES
+from lightning_pipe._parallel_dims import ParallelDims
+from lightning_pipe.partition import BALANCE_MODES, Size
 from lightning_pipe.schedules import Config, schedule_spec
 from lightning_pipe.timeline import TimelineOptions
 
@@ -20,7 +21,6 @@ if TYPE_CHECKING:
     from torch import nn
     from torch.distributed.device_mesh import DeviceMesh
 
-Size = Union[int, Literal["auto"]]
 DataParallel = Literal["ddp", "fsdp", "hsdp"]
 DATA_PARALLEL_MODES = ("ddp", "fsdp", "hsdp")
 
@@ -60,6 +60,15 @@ class PipelineOptions:
     def auto(self) -> bool:
         """``schedule="auto"``: setup chooses the :class:`~lightning_pipe.schedules.Config`."""
         return self.schedule == "auto"
+
+    def parallel_dims(self, world_size: int, processes_per_node: int) -> ParallelDims:
+        """The degrees these options ask for on ``world_size`` processes, ``"auto"`` resolved
+        (:meth:`ParallelDims.resolve`)."""
+        hybrid = self.data_parallel_shard_size if self.data_parallel == "hsdp" else None
+        return ParallelDims.resolve(
+            self.pipeline_parallel_size, self.data_parallel_size, self.tensor_parallel_size, world_size,
+            hybrid_shard=hybrid, processes_per_node=processes_per_node,
+        )
 
     @property
     def config(self) -> Optional[Config]:

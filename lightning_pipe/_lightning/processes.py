@@ -1,5 +1,5 @@
 """The job's processes: the ranks that rank 0 launched, and ending those when it fails (the mesh that groups them is
-:mod:`lightning_pipe._lightning.parallel_dims`'s)."""
+:mod:`lightning_pipe._parallel_dims`'s)."""
 
 from __future__ import annotations
 

@@ -29,8 +29,8 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from lightning_pipe._compat.torch import checkpoint_wrappers, fully_shard_recorded, parallel_styles_recorded
-from lightning_pipe._lightning.parallel_dims import sharded_dims
 from lightning_pipe._model.tensor_parallel import Record
+from lightning_pipe._parallel_dims import sharded_dims
 
 
 @dataclass

@@ -34,12 +34,12 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from lightning_pipe._compat.torch import ModuleSnapshot
 from lightning_pipe._compiled import compiled
 from lightning_pipe._ghost import Ghost
-from lightning_pipe._lightning.parallel_dims import ParallelDims
 from lightning_pipe._model.configure_model import ConfigureModelCalls, sharding_of
 from lightning_pipe._model.cut import Cut
 from lightning_pipe._model.materialize import materialize_local
 from lightning_pipe._model.shard import ShardingOptions, StageSharding, outside_modules, shard_stage
 from lightning_pipe._model.tensor_parallel import TensorParallelPlan, TensorParallelSplit, choose_plan
+from lightning_pipe._parallel_dims import ParallelDims
 
 
 @dataclass(frozen=True)

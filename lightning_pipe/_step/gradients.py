@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from lightning_pipe._lightning.parallel_dims import is_tensor_parallel
+from lightning_pipe._parallel_dims import is_tensor_parallel
 
 if TYPE_CHECKING:
     from lightning_pipe._step.last_backward import ReductionOverlap

@@ -17,17 +17,14 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lightning_pipe._compat.torch import mesh_group_options
-from lightning_pipe.partition import resolve_sizes
-
-if TYPE_CHECKING:
-    from lightning_pipe._lightning.options import PipelineOptions, Size
+from lightning_pipe.partition import Size, resolve_sizes
 
 log = logging.getLogger(__name__)
 
@@ -75,15 +72,6 @@ class ParallelDims:
         pp, dp = resolve_sizes(pipeline, data, world_size // tensor)
         shard = None if hybrid_shard is None else hsdp_shard_size(hybrid_shard, dp, processes_per_node)
         return cls(pp, dp, tensor, shard, world_size)
-
-    @classmethod
-    def of(cls, options: PipelineOptions, world_size: int, processes_per_node: int) -> ParallelDims:
-        """:meth:`resolve` for ``PipelineStrategy``'s validated options."""
-        hybrid = options.data_parallel_shard_size if options.data_parallel == "hsdp" else None
-        return cls.resolve(
-            options.pipeline_parallel_size, options.data_parallel_size, options.tensor_parallel_size, world_size,
-            hybrid_shard=hybrid, processes_per_node=processes_per_node,
-        )
 
     # ------------------------------------------------------------------------------------------------ the mesh
     def names_and_sizes(self) -> tuple[tuple[str, ...], tuple[int, ...]]:
