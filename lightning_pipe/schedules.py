@@ -7,7 +7,9 @@ strategy, the microbatch policy, the planner and the timeline need about it, in 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal, Optional, Union
+from typing import Any, Optional
+
+from lightning_pipe.partition import Size
 
 __all__ = ["SCHEDULES", "SCHEDULE_NAMES", "Config", "ScheduleSpec", "register_schedules", "schedule_spec"]
 
@@ -116,7 +118,7 @@ class Config:
 
     schedule: str
     stages_per_rank: int
-    num_microbatches: Union[int, Literal["auto"]]
+    num_microbatches: Size
 
     @property
     def spec(self) -> ScheduleSpec:

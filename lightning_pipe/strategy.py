@@ -38,7 +38,6 @@ from lightning_pipe._lightning import data
 from lightning_pipe._lightning import processes as _processes
 from lightning_pipe._lightning.collectives import WatchedCollectives
 from lightning_pipe._lightning.options import DataParallel as _DataParallel
-from lightning_pipe._lightning.options import Size as _Size
 from lightning_pipe._lightning.options import option_arguments, validated_options
 from lightning_pipe._lightning.precision import pipeline_precision
 from lightning_pipe._model.configure_model import ConfigureModelCalls, recording
@@ -49,6 +48,7 @@ from lightning_pipe._setup import SetupArgs, build_pipeline
 from lightning_pipe._step.runtime import PipelineRuntime
 from lightning_pipe.checkpoint import _dcp, _files, _hf
 from lightning_pipe.checkpoint._names import all_gather
+from lightning_pipe.partition import Size as _Size
 from lightning_pipe.partition import StageLayout
 from lightning_pipe.schedules import register_schedules
 from lightning_pipe.timeline import TimelineOptions

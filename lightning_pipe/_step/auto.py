@@ -50,10 +50,11 @@ from lightning_pipe.partition import StageLayout
 from lightning_pipe.schedules import SCHEDULE_NAMES, Config, schedule_spec
 
 if TYPE_CHECKING:
-    from lightning_pipe._lightning.options import PipelineOptions, Size
+    from lightning_pipe._lightning.options import PipelineOptions
     from lightning_pipe._model.backbone import Backbone
     from lightning_pipe._model.profile import BlockCost
     from lightning_pipe._model.split import Analysis
+    from lightning_pipe.partition import Size
 
 log = logging.getLogger(__name__)
 
@@ -320,15 +321,12 @@ def describe_choice(trial: Trial) -> str:
     )
 
 
-#: The stages per process of the looped multi-stage candidates when ``stages_per_rank="auto"``.
-LOOPED_STAGES_PER_RANK = 2
-
-
 def profiled_config(options: PipelineOptions) -> Config:
     """The configuration whose microbatch size the blocks are profiled at (:class:`Chooser`'s ``measure``): the
     looped schedules' default; the prediction scales each candidate's times from it."""
-    v = options.stages_per_rank if isinstance(options.stages_per_rank, int) else LOOPED_STAGES_PER_RANK
-    return Config("Interleaved1F1B", v, options.num_microbatches)
+    looped = schedule_spec("Interleaved1F1B")
+    v = options.stages_per_rank if isinstance(options.stages_per_rank, int) else looped.default_stages_per_rank()
+    return Config(looped.name, v, options.num_microbatches)
 
 
 @dataclass
