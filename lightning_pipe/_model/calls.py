@@ -319,7 +319,7 @@ class BlockRunners:
         shapes = tuple(tuple(t.shape) for t in arg_leaves if isinstance(t, Tensor))
         out_shapes = self._skipped_shapes.get((index, shapes))
         if out_shapes is None:
-            out_shapes = self._skipped_shapes[(index, shapes)] = _skipped_shapes(io, list(shapes))
+            out_shapes = self._skipped_shapes[(index, shapes)] = _shapes_when_skipped(io, list(shapes))
             if len(self._skipped_shapes) > 4096:  # shapes that change every batch: keep the newest
                 del self._skipped_shapes[next(iter(self._skipped_shapes))]
         leaves = []
@@ -399,7 +399,7 @@ class _Capture(BlockCalls):
 
 
 
-def _skipped_shapes(io: BlockIO, shapes: list[tuple[int, ...]]) -> list[Optional[tuple[int, ...]]]:
+def _shapes_when_skipped(io: BlockIO, shapes: list[tuple[int, ...]]) -> list[Optional[tuple[int, ...]]]:
     """The shape of each tensor a skipped block returns, for arguments of ``shapes`` (``None`` for the leaves that are
     not tensors): setup's shapes with its sizes mapped to these arguments'."""
     sizes = size_map_of_shapes(io.arg_shapes, shapes)
