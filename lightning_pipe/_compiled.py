@@ -8,19 +8,17 @@ A block the user compiled in ``configure_model`` is recognised and not compiled 
 ghosts with dynamo forced eager (``_setup.py``), so nothing compiled ever traces a ghost.
 
 The schedules that split each backward into an input-gradient and a later weight-gradient action
-(``InterleavedZeroBubble``, ``ZBVZeroBubble``, ``DualPipeV``) cannot split a compiled block's backward: it is one
-compiled graph that computes both gradients at once. torch's input action keeps the graph for the weight action
-(``retain_graph=True``), which a compiled backward with donated buffers refuses ("compiled with non-empty donated
-buffers"), and without donated buffers the weight action would run the whole compiled backward a second time
-(pytorch#161904, torchtitan#3584). So a stage that holds compiled blocks runs its **whole backward in its input
-action**, with ``retain_graph=False``, and its weight action has nothing left to do (``ReducingStage.whole_backward``
-in ``_step/pipeline.py``). That is exact: every gradient is the one the unsplit backward computes, accumulated over
-the microbatches in the same order (the weight actions of a stage run in the order of its input actions). What is
-lost is the schedule's gain: the weight gradients no longer fill the bubble, so these schedules run about as
-1F1B or Interleaved1F1B do, and a warning says so at setup. The first stage is unchanged: torch runs its whole
-backward in the weight action already (it has no input gradient to send). ``schedule="auto"`` weighs only the
-schedules that do not split the backward when blocks are compiled: its cost model would credit the others with the
-gain. Nothing falls back to eager.
+(``InterleavedZeroBubble``, ``ZBVZeroBubble``, ``DualPipeV``) cannot have torch split a compiled block's backward: it
+is one compiled graph that computes both gradients at once (pytorch#161904, torchtitan#3584). So a stage with compiled
+blocks splits it inside the graph: its linear layers' weight gradients wait for the weight action, and every other
+gradient is computed in the input action, which runs the whole backward ([Note: deferred weight gradients] in
+``_step/deferred_linear.py``). Exact, and the bulk of a transformer's weight-gradient work still fills the bubble.
+
+Where the linear layers are sharded by ``fully_shard`` or split over tensor ranks, their weight gradients cannot wait
+(the reduce-scatter runs in the post-backward hook; a ``DTensor`` weight's gradient is computed by DTensor's own
+backward): such a stage computes every gradient in its input action. Exact too, but the schedule's gain is lost, a
+warning says so at setup, and ``schedule="auto"`` weighs only the schedules that do not split the backward there.
+Nothing falls back to eager.
 """
 
 from __future__ import annotations
@@ -45,8 +43,9 @@ def compiled_stages(backbone: Any, bounds: dict[int, tuple[int, int]]) -> frozen
 def whole_backward_warning(schedule: str) -> str:
     """What a run of a schedule that splits the backward with compiled blocks is told ([Note: compiled blocks])."""
     return (
-        f"`PipelineStrategy(schedule={schedule!r})` with compiled blocks: torch cannot split a compiled block's"
-        " backward into its input- and weight-gradient parts (pytorch#161904), so each stage with compiled blocks runs"
+        f"`PipelineStrategy(schedule={schedule!r})` with compiled blocks that are sharded or split over tensor ranks:"
+        " torch cannot split a compiled block's backward into its input- and weight-gradient parts (pytorch#161904),"
+        " and such blocks' linear layers cannot defer their weight gradients, so each stage with compiled blocks runs"
         " its whole backward in its input-gradient action. Training is exact, but the weight gradients no longer fill"
-        " the bubble: 'Interleaved1F1B' or '1F1B' run as fast with compiled blocks."
+        " the bubble: 'Interleaved1F1B' or '1F1B' run as fast here."
     )

@@ -11,7 +11,7 @@ block (pytorch#166577).
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 import models
 import pytest
@@ -20,6 +20,7 @@ from helpers import fit_one_process
 from torch import nn
 
 from lightning_pipe import PipelineStrategy
+from lightning_pipe._step import deferred_linear
 
 SPLITTING = ["InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]
 AOT_EAGER = {"backend": "aot_eager"}
@@ -82,33 +83,50 @@ def _assert_same(got: tuple, want: tuple) -> None:
     assert max((got[1][k] - want[1][k]).abs().max().item() for k in want[1]) < 1e-5
 
 
-def _check(model: type, compile: Any, schedule: str, reference: type) -> None:
+class _Deferred:
+    """Counts the linear weight gradients each stage's weight actions compute ([Note: deferred weight gradients])."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.applied: list[int] = []
+        builder = deferred_linear.Deferral.builder
+
+        def counted(deferral: deferred_linear.Deferral) -> Callable[[], None]:
+            n = len(deferral._collected)
+            run = builder(deferral)
+            return lambda: (self.applied.append(n), run())[1]
+
+        monkeypatch.setattr(deferred_linear.Deferral, "builder", counted)
+
+
+def _check(model: type, compile: Any, schedule: str, reference: type, monkeypatch: pytest.MonkeyPatch) -> None:
     torch.compiler.reset()
     want = _fitted(reference, "auto")
     strategy = PipelineStrategy(num_microbatches=2, schedule=schedule, stages_per_rank=2, compile=compile)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        got = _fitted(model, strategy)
-    assert any("runs its whole backward in its input-gradient action" in str(w.message) for w in caught)
+    deferred = _Deferred(monkeypatch)
+    got = _fitted(model, strategy)
+    # 4 batches (2 steps of 2) of 2 microbatches, 2 stages: every weight action computed linear layers' gradients
+    assert len(deferred.applied) == 4 * 2 * 2 and min(deferred.applied) > 0, deferred.applied
     _assert_same(got, want)
 
 
 @pytest.mark.parametrize("schedule", SPLITTING)
-def test_compiled_blocks_train_exactly_under_a_split_backward(schedule):
+def test_compiled_blocks_train_exactly_under_a_split_backward(schedule, monkeypatch):
     """``compile=``: each stage with compiled blocks runs its whole backward in its input-gradient action, and says
     so; losses and weights equal one eager device's, with a weight shared by blocks of both stages and a custom
     autograd function in every block."""
-    _check(SharedAndCustom, AOT_EAGER, schedule, SharedAndCustom)
+    _check(SharedAndCustom, AOT_EAGER, schedule, SharedAndCustom, monkeypatch)
 
 
-def test_blocks_the_user_compiled_train_exactly_under_a_split_backward():
+def test_blocks_the_user_compiled_train_exactly_under_a_split_backward(monkeypatch):
     """Blocks compiled in ``configure_model`` (``block.compile()``) are recognised, with the same result."""
-    _check(UserCompiled, False, "InterleavedZeroBubble", models.TinyLM)
+    _check(UserCompiled, False, "InterleavedZeroBubble", models.TinyLM, monkeypatch)
 
 
 def test_lengths_that_change_compile_once_more_and_stay_exact():
-    """Batches of 6 sequence lengths: dynamo compiles the block once static, then once with the length dynamic
-    (2 graphs in all, however many lengths follow), and the run equals one eager device's."""
+    """Batches of 6 sequence lengths: dynamo compiles each code it meets once static, then once with the length
+    dynamic, however many lengths follow: the blocks' and the head's (an ``nn.Linear``, compiled as the backbone's
+    last module), 4 graphs in all. The shape probes run compiled code eagerly, so they add none. The run equals one
+    eager device's."""
     from torch._dynamo.utils import counters
     from torch.utils.data import DataLoader
 
@@ -126,7 +144,7 @@ def test_lengths_that_change_compile_once_more_and_stay_exact():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         got = fitted(PipelineStrategy(num_microbatches=2, schedule="ZBVZeroBubble", compile=AOT_EAGER))
-    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
+    assert counters["stats"]["unique_graphs"] == 4, dict(counters["stats"])
     assert len(got[0]) == len(want[0]) == len(lengths)
     assert max(abs(a - b) for a, b in zip(got[0], want[0])) < 1e-5
     assert max((got[1][k] - want[1][k]).abs().max().item() for k in want[1]) < 1e-5

@@ -21,7 +21,7 @@ import math
 import time
 from collections import OrderedDict
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, Union
 
 import torch
@@ -39,6 +39,7 @@ from torch.utils._pytree import tree_leaves
 
 from lightning_pipe import _watchdog
 from lightning_pipe._compat.torch import keep_forward_actions, merged_param_groups, weight_gradients_keep_graph
+from lightning_pipe._step.deferred_linear import Deferral, deferred_linears
 from lightning_pipe._step.last_backward import ReductionOverlap
 from lightning_pipe._step.program import StepProgram
 from lightning_pipe._step.shapes import (
@@ -112,9 +113,10 @@ class ReducingStage(PipelineStage):
     overlap: Optional[ReductionOverlap] = None
     #: The user's ``backward`` override that the last stage's backward runs through ([Note: backward overrides]).
     through_override: Optional[BackwardOverride] = None
-    #: The stage holds compiled blocks and the schedule splits the backward: its input-gradient action runs the whole
-    #: backward and its weight-gradient action has nothing left to do ([Note: compiled blocks]).
-    whole_backward: bool = False
+    #: The stage's deferred linear weight gradients ([Note: deferred weight gradients]): set where the stage holds
+    #: compiled blocks and the schedule splits the backward. Its input action then runs the whole backward, collecting
+    #: them, and torch runs ``dw_builder``'s runner as its weight action.
+    deferral: Optional[Deferral] = None
 
     def backward_maybe_with_nosync(
         self, backward_type: Literal["full", "input", "weight"], bwd_kwargs: dict, *args: bool, **kwargs: bool
@@ -126,13 +128,9 @@ class ReducingStage(PipelineStage):
     def _backward(
         self, backward_type: Literal["full", "input", "weight"], bwd_kwargs: dict, *args: bool, **kwargs: bool
     ) -> BackwardResult:
-        if self.whole_backward and backward_type == "input":  # input actions are never a step's last backward
-            whole = dict(bwd_kwargs)
-            if whole["output_grads"] is None:  # the last stage: torch wrapped the loss in a tuple for its input action,
-                whole["stage_output"] = whole["stage_output"][0]  # which its full backward would skip (no gradient)
-            return self._backward_now("full", whole, *args, **kwargs)
-        if self.whole_backward and backward_type == "weight":
-            return (), None
+        if self.deferral is not None:  # torch's `dw_builder` path: always "full", its runner is the weight action
+            with self.deferral.collecting():
+                return self._backward_now(backward_type, bwd_kwargs, *args, **kwargs)
         if backward_type in ("input", "weight"):  # torch's zero-bubble split, corrected (see _compat.torch)
             fix = merged_param_groups() if backward_type == "input" else weight_gradients_keep_graph()
             with fix:
@@ -143,7 +141,8 @@ class ReducingStage(PipelineStage):
         self, backward_type: Literal["full", "input", "weight"], bwd_kwargs: dict, *args: bool, **kwargs: bool
     ) -> BackwardResult:
         last = kwargs.get("last_backward", args[0] if args else False)
-        if self.overlap is None or not last or backward_type != "full":
+        # a deferring stage's gradients are whole only after its weight actions: reduced after the schedule
+        if self.overlap is None or not last or backward_type != "full" or self.deferral is not None:
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, *args, **kwargs)
         with self.overlap.last_backward(self.stage_index):
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, *args, **kwargs)
@@ -195,8 +194,11 @@ class StagePipeline:
         #: activation with sequence parallelism
         self.boundary_bytes: dict[int, int] = {}
         self.through_override: Optional[BackwardOverride] = None  # set by the runtime
-        #: this rank's stages that hold compiled blocks (set by the runtime; [Note: compiled blocks])
-        self.compiled_stages: frozenset[int] = frozenset()
+        #: ``{stage: blocks}`` of this rank's stages whose linear weight gradients wait for the weight action under
+        #: a schedule that splits the backward (set by the runtime; [Note: deferred weight gradients])
+        self.deferring: dict[int, list[nn.Module]] = {}
+        self._deferrals: dict[int, Deferral] = {}
+        self._swapped = ExitStack()
 
     @property
     def shape_stats(self) -> ShapeStats:
@@ -219,6 +221,21 @@ class StagePipeline:
         self.schedule_class = get_schedule_class(schedule.name)
         self.num_microbatches = num_microbatches
         self._schedules.clear()
+        self.defer_weights()
+
+    def defer_weights(self) -> None:
+        """Swap the deferring stages' linear layers in while the schedule splits the backward, out otherwise."""
+        self._swapped.close()
+        self._deferrals = {}
+        if self.schedule.splits_backward:
+            for stage, blocks in self.deferring.items():
+                self._swapped.enter_context(deferred_linears(blocks))
+                self._deferrals[stage] = Deferral()
+
+    def close(self) -> None:
+        """The call ends: the linear layers are the user's own again."""
+        self._swapped.close()
+        self._deferrals = {}
 
     def check_schedule(self) -> None:
         """Build the schedule once for the configured microbatch count so torch's own checks run at setup."""
@@ -360,10 +377,12 @@ class StagePipeline:
                     "input_args": tuple(_meta_tensor(m, requires_grad=training and index > 0) for m in inputs),
                     "output_args": tuple(_meta_tensor(m, requires_grad=training) for m in outputs),
                 }
-            stage = ReducingStage(module, index, num_stages, self.device, group=self.group, **kwargs)
+            deferral = self._deferrals.get(index) if training else None
+            stage = ReducingStage(module, index, num_stages, self.device, group=self.group,
+                                  dw_builder=deferral.builder if deferral is not None else None, **kwargs)
             stage.overlap = self.overlap if training else None
             stage.through_override = self.through_override
-            stage.whole_backward = training and self.schedule.splits_backward and index in self.compiled_stages
+            stage.deferral = deferral
             stages.append(stage)
         return stages
 

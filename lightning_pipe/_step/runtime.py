@@ -32,7 +32,7 @@ import logging
 import time
 import warnings
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
@@ -165,8 +165,14 @@ class PipelineRuntime:
         self.overlap = self._overlap(cut, bounds, replicas, scale_group, sharding) if replicas is not None else None
         self.pipeline.overlap = self.overlap
         self.pipeline.through_override = through_override  # [Note: backward overrides]
-        self.pipeline.compiled_stages = compiled_stages(cut.backbone, bounds)  # [Note: compiled blocks]
-        if self.pipeline.compiled_stages and schedule.splits_backward:
+        # [Note: compiled blocks]: their linear layers' weight gradients wait for the weight action, unsharded
+        self.pipeline.deferring = {
+            s: [] if sharding is not None else [cut.backbone.module(i) for i in range(*bounds[s])]
+            for s in compiled_stages(cut.backbone, bounds)
+        }
+        self.pipeline.defer_weights()
+        if (sharding is not None or cut.parallelism.tensor_parallel) and self.pipeline.deferring \
+                and schedule.splits_backward:
             warnings.warn(whole_backward_warning(schedule.name), stacklevel=2)
         self.pipeline.check_schedule()
         channel = (pp_group, self.pipeline.last_stage_rank, layout.pipeline_size, device)
@@ -188,6 +194,7 @@ class PipelineRuntime:
         """The call ends: drop the gradients kept aside and, unless it failed (the other ranks may be gone), let the
         last transfers finish (:meth:`drain`)."""
         self.gradients.discard()
+        self.pipeline.close()
         if not failed:
             self.drain()
 
@@ -410,7 +417,8 @@ class PipelineRuntime:
 
         The stage runs on ghosts: no compute, nothing changes (buffers, random state, metrics). A stage that cannot
         (a block with value-dependent shapes) runs once for real on a zero input, without gradients, and everything
-        it touched is put back."""
+        it touched is put back. Either way compiled blocks run eagerly: dynamo would trace them again for ghosts, or
+        without gradients, for nothing but shapes."""
         module, program = self.module, self.program
         ghost_in = tuple(
             Ghost(torch.empty(shape, dtype=dtype, device="meta"), self.device) for shape, dtype in received or ()
@@ -418,14 +426,14 @@ class PipelineRuntime:
         dtypes = self.sharding.compute_dtypes() if self.sharding is not None else None
         if not self.cut.parallelism.tensor_parallel:  # DTensor's hooks and ops cannot run on ghosts: probed for real
             with torch.no_grad(), everything_ghosted(module, self.device, dtypes), program.shape_probe("ghost"), \
-                    metrics_set_aside(module_metrics(module)), fsdp_hooks_suspended(module):
+                    metrics_set_aside(module_metrics(module)), fsdp_hooks_suspended(module), _eager():
                 try:
                     out = program.run_stage(stage, rows, ghost_in, probing=True)
                     return tuple((tuple(t.shape), t.dtype) for t in out)
                 except (GhostValueError, NotImplementedError, RuntimeError) as err:
                     log.debug("stage %d does not run on ghosts (%s): measuring its shapes for real", stage, err)
         real_in = tuple(torch.zeros(shape, dtype=dtype, device=self.device) for shape, dtype in received or ())
-        with torch.no_grad(), untouched(module, self.device), program.shape_probe("real"):
+        with torch.no_grad(), untouched(module, self.device), program.shape_probe("real"), _eager():
             out = program.run_stage(stage, rows, real_in)
             return tuple((tuple(t.shape), t.dtype) for t in out)
 
@@ -474,3 +482,8 @@ def _ghost_result(step: Callable[..., Any]) -> Exception:
     return BackboneCallError(not_computed_by_last_stage(
         f"`{name}` returns values", "Return values computed from the backbone's output and the batch."
     ))
+
+
+def _eager() -> AbstractContextManager[None]:
+    """Compiled code runs eagerly inside (the shape probes')."""
+    return torch.compiler.set_stance("force_eager")

@@ -1,0 +1,210 @@
+"""Linear layers whose weight gradient waits for the schedule's weight-gradient action, compiled or not.
+
+[Note: deferred weight gradients]
+The schedules that split each backward (``InterleavedZeroBubble``, ``ZBVZeroBubble``, ``DualPipeV``) run a stage's
+input gradient first, so the next stage can go on, and its weight gradient later, in the bubble. torch splits an eager
+backward by walking the autograd graph twice (``stage_backward_input`` / ``stage_backward_weight``). A compiled block
+is one autograd node whose compiled backward computes every gradient at once, so torch cannot split it
+(pytorch#161904, torchtitan#3584): its input action would keep the graph for a second run, which a compiled backward
+with donated buffers refuses.
+
+So a stage with compiled blocks splits its backward inside the compiled graph, as the Zero Bubble paper's own code
+does for linear layers (its ``WeightGradStore``), through torch's own hook for that, ``PipelineStage(dw_builder=)``:
+
+- Each ``nn.Linear`` of the stage's blocks calls the custom op ``lightning_pipe::deferred_linear`` (the layer's class
+  becomes :class:`DeferredLinear`; its parameters, their names and its ``state_dict`` do not change, and the class is
+  put back when the call ends). Its forward is ``F.linear``. Its backward, traced into the compiled backward as any
+  custom op's, returns the input gradient ``grad @ weight`` through a second opaque op,
+  ``lightning_pipe::linear_input_grad``, which also hands ``(input, grad)`` to the stage's :class:`Deferral`, and
+  returns no gradient for the weight and the bias. Opaque ops are neither duplicated nor removed by the compiler,
+  and the input gradient is used, so the hand-over happens exactly once per backward.
+- The input action runs the stage's whole backward with ``retain_graph=False`` (torch's ``dw_builder`` path): every
+  gradient but the linear layers' weights and biases is computed there, and the compiled graph is freed.
+- The weight action (``dw_builder``'s runner, in torch's order) computes each handed-over weight gradient as the
+  eager backward of ``F.linear`` does, ``grad.T @ input`` over the flattened rows (and ``grad`` summed for the bias),
+  in the parameter's dtype, and adds it to ``.grad``.
+
+That is exact: each parameter gets the same terms the unsplit backward computes, the linear layers' own computed by
+the same formula, and a stage's weight actions run in the order of its input actions, so microbatches accumulate in
+the same order. A weight several layers share (tied, pytorch#180952) gets each layer's term; a custom
+``autograd.Function`` in a block (pytorch#166577) is only ever run as part of the whole backward.
+
+Layers stay as they are where their weight gradient cannot wait: frozen (``requires_grad=False``), split over tensor
+ranks (``DTensor``), or in a stage ``fully_shard`` shards (its reduce-scatter runs in its post-backward hook, before the
+weight action); an input that needs no gradient (nothing to hand over) or a forward without autograd runs plain
+``F.linear``. Under autocast, the layer casts its input and parameters as autocast casts ``F.linear``'s, and the
+weight gradient is cast back to the parameter's dtype, as autograd's ``ToCopyBackward`` does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+
+#: A layer's weight and bias (``None`` without one), whose gradients a hand-over carries.
+Owners = tuple[nn.Parameter, Optional[nn.Parameter]]
+
+#: The parameters of the swapped layers, by address: a call hands its layer's parameters over as tensors (the compiled
+#: graph passes them through as inputs, so all blocks of a class share one graph), and the weight action finds the
+#: parameter by the address of what it was handed.
+_PARAMS: dict[int, nn.Parameter] = {}
+#: The deferral collecting now, if any: a process runs one backward at a time, and autograd runs a CUDA backward on a
+#: thread of its own, so this is not thread-local.
+_ACTIVE: list[Deferral] = []
+
+
+@torch.library.custom_op("lightning_pipe::deferred_linear", mutates_args=())
+def _deferred_linear(
+    x: Tensor, weight: Tensor, bias: Optional[Tensor], weight_param: Tensor, bias_param: Optional[Tensor]
+) -> Tensor:
+    return F.linear(x, weight, bias).contiguous()
+
+
+@_deferred_linear.register_fake
+def _(x: Tensor, weight: Tensor, bias: Optional[Tensor], weight_param: Tensor, bias_param: Optional[Tensor]) -> Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@torch.library.custom_op("lightning_pipe::linear_input_grad", mutates_args=())
+def _linear_input_grad(
+    grad: Tensor, x: Tensor, weight: Tensor, weight_param: Tensor, bias_param: Optional[Tensor]
+) -> Tensor:
+    _hand_over(x, grad, weight_param, bias_param)
+    return (grad @ weight).contiguous()
+
+
+@_linear_input_grad.register_fake
+def _(grad: Tensor, x: Tensor, weight: Tensor, weight_param: Tensor, bias_param: Optional[Tensor]) -> Tensor:
+    return grad.new_empty((*grad.shape[:-1], weight.shape[1]))
+
+
+def _setup_context(ctx: torch.autograd.function.FunctionCtx, inputs: tuple, output: Tensor) -> None:
+    x, weight, _, weight_param, bias_param = inputs
+    ctx.save_for_backward(x, weight, weight_param, bias_param)
+
+
+def _backward(ctx: torch.autograd.function.FunctionCtx, grad: Tensor) -> tuple[Optional[Tensor], ...]:
+    x, weight, weight_param, bias_param = ctx.saved_tensors  # type: ignore[attr-defined]
+    grad_x = torch.ops.lightning_pipe.linear_input_grad(grad, x, weight, weight_param, bias_param)
+    return grad_x, None, None, None, None
+
+
+_deferred_linear.register_autograd(_backward, setup_context=_setup_context)
+
+
+class DeferredLinear(nn.Linear):
+    """An ``nn.Linear`` whose weight and bias gradients wait for the weight action ([Note: deferred weight
+    gradients]). Only the class changes: its parameters and buffers are the layer's own."""
+
+    _lp_class: type[nn.Linear]
+
+    def forward(self, input: Tensor) -> Tensor:
+        weight_param, bias_param = weight, bias = self.weight, self.bias
+        if not (torch.is_grad_enabled() and input.requires_grad and weight.requires_grad
+                and (bias is None or bias.requires_grad)):
+            return F.linear(input, weight, bias)
+        device = input.device.type
+        if torch.is_autocast_enabled(device):
+            dtype = torch.get_autocast_dtype(device)
+            input, weight = input.to(dtype), weight.to(dtype)
+            bias = bias.to(dtype) if bias is not None else None
+        return torch.ops.lightning_pipe.deferred_linear(input, weight, bias, weight_param, bias_param)
+
+
+def _deferrable(layer: nn.Module) -> bool:
+    return (type(layer) is nn.Linear and layer.weight.requires_grad and not isinstance(layer.weight, DTensor)
+            and (layer.bias is None or layer.bias.requires_grad))
+
+
+@contextmanager
+def deferred_linears(blocks: Iterable[nn.Module]) -> Iterator[int]:
+    """Inside, the plain ``nn.Linear`` layers of ``blocks`` that can defer their weight gradients are
+    :class:`DeferredLinear`; yields how many."""
+    swapped: list[nn.Linear] = []
+    for block in blocks:
+        for layer in block.modules():
+            if _deferrable(layer):
+                for param in (layer.weight, layer.bias):
+                    if param is not None:
+                        _PARAMS[param.data_ptr()] = param
+                layer._lp_class = type(layer)  # type: ignore[assignment]
+                layer.__class__ = DeferredLinear
+                swapped.append(layer)
+    try:
+        yield len(swapped)
+    finally:
+        for layer in swapped:
+            layer.__class__ = layer._lp_class
+            del layer._lp_class
+            for param in (layer.weight, layer.bias):
+                if param is not None:
+                    _PARAMS.pop(param.data_ptr(), None)
+
+
+class Deferral:
+    """One stage's weight gradients handed over by its input actions, in their order. :meth:`collecting` wraps an
+    input action's backward; :meth:`builder` is ``PipelineStage``'s ``dw_builder``: called right after that backward,
+    it returns the runner of the stage's weight action for that microbatch."""
+
+    def __init__(self) -> None:
+        self._collected: list[tuple[Owners, Tensor, Tensor]] = []
+
+    @contextmanager
+    def collecting(self) -> Iterator[None]:
+        _ACTIVE.append(self)
+        try:
+            yield
+        finally:
+            _ACTIVE.pop()
+
+    def take(self, owners: Owners, x: Tensor, grad: Tensor) -> None:
+        self._collected.append((owners, x, grad))
+
+    def builder(self) -> Callable[[], None]:
+        collected, self._collected = self._collected, []
+        return lambda: _apply(collected)
+
+    def clear(self) -> None:
+        """A step that failed half-way leaves nothing for the next."""
+        self._collected = []
+
+
+def _hand_over(x: Tensor, grad: Tensor, weight: Tensor, bias: Optional[Tensor]) -> None:
+    owners = (_owner(weight), _owner(bias) if bias is not None else None)
+    if not _ACTIVE:  # a backward outside a stage's input action: nothing waits
+        _apply([(owners, x, grad)])
+    else:  # copies: the compiled backward reuses its buffers once the op returns
+        _ACTIVE[-1].take(owners, x.detach().clone(), grad.detach().clone())
+
+
+def _owner(tensor: Tensor) -> nn.Parameter:
+    param = _PARAMS.get(tensor.data_ptr())
+    if param is None:
+        raise RuntimeError(
+            "lightning_pipe: a linear layer's parameter moved in memory after its weight gradient was deferred to the"
+            " schedule's weight action ([Note: deferred weight gradients]); do not replace parameters during a step"
+        )
+    return param
+
+
+def _apply(collected: list[tuple[Owners, Tensor, Tensor]]) -> None:
+    """The weight and bias gradients of ``F.linear``'s eager backward, added to ``.grad`` in the order handed over."""
+    for (weight, bias), x, grad in collected:
+        rows = grad.reshape(-1, grad.shape[-1])
+        _accumulate(weight, rows.t().mm(x.reshape(-1, x.shape[-1])))
+        if bias is not None:
+            _accumulate(bias, rows.sum(0))
+
+
+def _accumulate(param: Tensor, grad: Tensor) -> None:
+    grad = grad.to(param.dtype)
+    if param.grad is None:
+        param.grad = grad
+    else:
+        param.grad += grad
