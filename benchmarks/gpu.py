@@ -79,13 +79,14 @@ class CompiledLlama(SGDLlama):
 
 
 def fit(
-    args: argparse.Namespace, pipeline: bool, precision: str, steps: int, compiled: bool = False
+    args: argparse.Namespace, pipeline: bool, precision: str, steps: int, compiled: bool = False,
+    schedule: str = "Interleaved1F1B",
 ) -> tuple[Steps, dict[str, torch.Tensor]]:
     L.seed_everything(0)
     model = (CompiledLlama if compiled and not pipeline else SGDLlama)(_config(args), lr=args.lr)
     strategy: Any = "auto"
     if pipeline:
-        strategy = PipelineStrategy(schedule="Interleaved1F1B", stages_per_rank=2,
+        strategy = PipelineStrategy(schedule=schedule, stages_per_rank=2,
                                     num_microbatches=args.num_microbatches, compile=compiled)
     record = Steps()
     trainer = L.Trainer(accelerator="gpu", devices=1, strategy=strategy, precision=precision, max_steps=steps,
@@ -109,8 +110,9 @@ def exactness(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def torch_loop(args: argparse.Namespace, steps: int) -> list[float]:
-    """Two stages on one rank under ``ScheduleInterleaved1F1B``, SGD, bf16 autocast: the hand-written baseline."""
+def torch_loop(args: argparse.Namespace, steps: int, compiled: bool = False) -> list[float]:
+    """Two stages on one rank under ``ScheduleInterleaved1F1B``, SGD, bf16 autocast: the hand-written baseline
+    (``compiled``: every module of the backbone compiled first, as ``compile=True`` compiles them)."""
     from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
 
     L.seed_everything(0)
@@ -118,6 +120,8 @@ def torch_loop(args: argparse.Namespace, steps: int) -> list[float]:
     model = SGDLlama(_config(args), lr=args.lr).to(device)
     backbone = model.backbone
     blocks = list(backbone)
+    for block in blocks if compiled else ():
+        block.compile()
     half = len(blocks) // 2
     parts = [torch.nn.Sequential(*blocks[:half]).to(device), torch.nn.Sequential(*blocks[half:]).to(device)]
     group = dist.group.WORLD

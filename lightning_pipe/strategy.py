@@ -130,8 +130,8 @@ class PipelineStrategy(ModuleAfterCall, WatchedCollectives, ParallelStrategy):
             the module is gathered whole on every rank, as under DDP, within a host-memory bound
             (``docs/checkpointing.md``).
         compile: ``torch.compile`` each block of each stage: ``True``, or a dict of ``torch.compile``'s options;
-            after tensor parallelism, before sharding. Schedules that split the backward are refused with compiled
-            blocks (``docs/scaling.md``).
+            after tensor parallelism, before sharding. Under the schedules that split the backward, the linear layers
+            of compiled stages defer their weight gradients to the weight-gradient step (``docs/scaling.md``).
     """
 
     strategy_name = "pipeline"
