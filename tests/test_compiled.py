@@ -148,3 +148,18 @@ def test_lengths_that_change_compile_once_more_and_stay_exact():
     assert len(got[0]) == len(want[0]) == len(lengths)
     assert max(abs(a - b) for a, b in zip(got[0], want[0])) < 1e-5
     assert max((got[1][k] - want[1][k]).abs().max().item() for k in want[1]) < 1e-5
+
+
+def test_auto_weighs_the_split_schedules_where_compiled_blocks_defer():
+    """``schedule="auto"`` with compiled blocks: every schedule where the linear layers can defer their weight
+    gradients; sharded, only those that do not split the backward (the others would be credited a gain they do not
+    have)."""
+    from lightning_pipe._lightning.options import validated_options
+    from lightning_pipe._step.auto import _schedules_for
+    from lightning_pipe.schedules import SCHEDULE_NAMES, schedule_spec
+
+    replicated = validated_options(pipeline_parallel_size=2, schedule="auto", compile=True)
+    sharded = validated_options(pipeline_parallel_size=2, schedule="auto", compile=True, data_parallel="fsdp")
+    assert _schedules_for(replicated, None) == SCHEDULE_NAMES
+    assert set(_schedules_for(sharded, None)) == {n for n in SCHEDULE_NAMES if not schedule_spec(n).splits_backward}
+    assert {"ZBVZeroBubble", "DualPipeV", "InterleavedZeroBubble"} <= set(SCHEDULE_NAMES)
