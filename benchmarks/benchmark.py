@@ -9,6 +9,9 @@
     (e)  time         ``PipelineStrategy(balance="time")`` (profiled); its step 3 is also traced with ``timeline=``
                       (a warm-up step, not timed) to measure the bubble and draw ``benchmarks/timeline.png``
 
+``--compile=1`` compiles every module of the backbone (Inductor) in every variant: ``compile=True`` for the
+strategies, ``Module.compile()`` on each module for the others.
+
 The ceiling on this hardware is (a') / p × (m + p − 1) / m: perfect balance and free transfers, with the cost of
 microbatching itself included. Whole modules cannot always be split that evenly, so next to it the benchmark
 prints the whole-module bound: the ceiling scaled by how far the best contiguous split of the per-module times
@@ -112,10 +115,20 @@ class BenchLlama(LitLlama):
         return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
 
 
-def make_model(args: argparse.Namespace) -> BenchLlama:
+class CompiledBenchLlama(BenchLlama):
+    """Plain Lightning with every module of the backbone compiled (``--compile=1``), as ``compile=True`` compiles
+    the strategy's."""
+
+    def configure_model(self) -> None:
+        for module in self.backbone:
+            module.compile()
+
+
+def make_model(args: argparse.Namespace, lightning: bool = True) -> BenchLlama:
     torch.manual_seed(args.seed)
     config = LlamaConfig(dim=args.dim, n_layers=args.n_layers, max_seq_len=args.seq_len, vocab_size=args.vocab_size)
-    return BenchLlama(config, lr=args.lr)
+    compiled = args.compile and lightning and args.variant not in STRATEGY_BALANCE
+    return (CompiledBenchLlama if compiled else BenchLlama)(config, lr=args.lr)
 
 
 def make_train_loader(args: argparse.Namespace) -> Any:
@@ -193,7 +206,7 @@ def run_lightning(args: argparse.Namespace) -> None:
             args.warmup += LEAD + (TIMED + EXTRA) * (WARMUP + STEPS)  # the most it can take
         strategy = PipelineStrategy(
             num_microbatches="auto" if auto else args.num_microbatches, schedule="auto" if auto else "1F1B",
-            balance=STRATEGY_BALANCE[args.variant], timeline=timeline,
+            balance=STRATEGY_BALANCE[args.variant], timeline=timeline, compile=bool(args.compile),
         )
         extra = {"accelerator": "cpu", "devices": 2, "strategy": strategy}
     trainer = L.Trainer(
@@ -212,7 +225,9 @@ def run_lightning(args: argparse.Namespace) -> None:
 
 # --------------------------------------------------------------------------------- (a'): microbatches in a row
 def run_microbatched(args: argparse.Namespace) -> None:
-    model = make_model(args)
+    model = make_model(args, lightning=False)
+    for module in model.backbone if args.compile else ():
+        module.compile()
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
     starts, cpu = [], []
     for x, y in make_train_loader(args):
@@ -238,9 +253,11 @@ def torch_worker(rank: int, args: argparse.Namespace, port: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     pin(args, rank)  # after the process group, as the strategy's ranks: gloo's threads stay free
-    backbone = make_model(args).backbone
+    backbone = make_model(args, lightning=False).backbone
     split = stage0_modules(args)
     module = backbone[:split] if rank == 0 else backbone[split:]
+    for part in module if args.compile else ():
+        part.compile()
     stage = PipelineStage(module, stage_index=rank, num_stages=2, device=torch.device("cpu"))
 
     def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -443,6 +460,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--compile", type=int, default=0, help="1: every module of the backbone compiled (Inductor)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rounds", type=int, default=3, help="runs of every variant, interleaved; the fastest counts")
     p.add_argument("--timeout", type=int, default=600, help="seconds allowed per variant")

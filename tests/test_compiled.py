@@ -1,11 +1,11 @@
-"""Compiled blocks under the schedules that split the backward (zero bubble, DualPipeV): exact against one eager
-device ([Note: compiled blocks]).
+"""Compiled blocks under every schedule, those that split the backward (zero bubble, DualPipeV) included: exact
+against one eager device ([Note: compiled blocks], [Note: deferred weight gradients]).
 
-Two stages on one process (the boundary is torch's own hand-over, the second stage runs torch's input- and
-weight-gradient actions), clipping and accumulation on, ``aot_eager`` (AOTAutograd's joint graph and its compiled
-backward, without Inductor's C++ builds that would dominate CI's two cores). The cases torch itself gets wrong are
-covered: a weight shared between blocks of both stages (pytorch#180952) and a custom ``autograd.Function`` in a
-block (pytorch#166577).
+Two stages on one process (one under 1F1B and GPipe; the boundary is torch's own hand-over, the second stage runs
+torch's input- and weight-gradient actions), clipping and accumulation on, ``aot_eager`` (AOTAutograd's joint graph
+and its compiled backward, without Inductor's C++ builds that would dominate CI's two cores). The cases torch itself
+gets wrong are covered: a weight shared between blocks of both stages (pytorch#180952) and a custom
+``autograd.Function`` in a block (pytorch#166577).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from torch import nn
 
 from lightning_pipe import PipelineStrategy
 from lightning_pipe._step import deferred_linear
+from lightning_pipe.schedules import SCHEDULE_NAMES, schedule_spec
 
 SPLITTING = ["InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]
 AOT_EAGER = {"backend": "aot_eager"}
@@ -101,19 +102,23 @@ class _Deferred:
 def _check(model: type, compile: Any, schedule: str, reference: type, monkeypatch: pytest.MonkeyPatch) -> None:
     torch.compiler.reset()
     want = _fitted(reference, "auto")
-    strategy = PipelineStrategy(num_microbatches=2, schedule=schedule, stages_per_rank=2, compile=compile)
+    stages = 2 if schedule_spec(schedule).multi_stage else 1
+    strategy = PipelineStrategy(num_microbatches=2, schedule=schedule, stages_per_rank=stages, compile=compile)
     deferred = _Deferred(monkeypatch)
     got = _fitted(model, strategy)
-    # 4 batches (2 steps of 2) of 2 microbatches, 2 stages: every weight action computed linear layers' gradients
-    assert len(deferred.applied) == 4 * 2 * 2 and min(deferred.applied) > 0, deferred.applied
+    if schedule in SPLITTING:
+        # 4 batches (2 steps of 2) of 2 microbatches, 2 stages: every weight action computed linear layers' gradients
+        assert len(deferred.applied) == 4 * 2 * 2 and min(deferred.applied) > 0, deferred.applied
+    else:  # torch's own full backward: nothing waits
+        assert deferred.applied == []
     _assert_same(got, want)
 
 
-@pytest.mark.parametrize("schedule", SPLITTING)
-def test_compiled_blocks_train_exactly_under_a_split_backward(schedule, monkeypatch):
-    """``compile=``: each stage with compiled blocks runs its whole backward in its input-gradient action, and says
-    so; losses and weights equal one eager device's, with a weight shared by blocks of both stages and a custom
-    autograd function in every block."""
+@pytest.mark.parametrize("schedule", SCHEDULE_NAMES)
+def test_compiled_blocks_train_exactly(schedule, monkeypatch):
+    """``compile=`` under every schedule: losses and weights equal one eager device's, with a weight shared by blocks
+    of both stages and a custom autograd function in every block. Under the schedules that split the backward, the
+    linear layers' weight gradients are computed in the weight actions ([Note: deferred weight gradients])."""
     _check(SharedAndCustom, AOT_EAGER, schedule, SharedAndCustom, monkeypatch)
 
 
@@ -156,7 +161,6 @@ def test_auto_weighs_the_split_schedules_where_compiled_blocks_defer():
     have)."""
     from lightning_pipe._lightning.options import validated_options
     from lightning_pipe._step.auto import _schedules_for
-    from lightning_pipe.schedules import SCHEDULE_NAMES, schedule_spec
 
     replicated = validated_options(pipeline_parallel_size=2, schedule="auto", compile=True)
     sharded = validated_options(pipeline_parallel_size=2, schedule="auto", compile=True, data_parallel="fsdp")
