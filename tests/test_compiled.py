@@ -167,3 +167,20 @@ def test_auto_weighs_the_split_schedules_where_compiled_blocks_defer():
     assert _schedules_for(replicated, None) == SCHEDULE_NAMES
     assert set(_schedules_for(sharded, None)) == {n for n in SCHEDULE_NAMES if not schedule_spec(n).splits_backward}
     assert {"ZBVZeroBubble", "DualPipeV", "InterleavedZeroBubble"} <= set(SCHEDULE_NAMES)
+
+
+def test_deferred_weight_gradients_under_autocast_equal_torchs_split():
+    """bf16-mixed: a compiled stage's linear layers cast as autocast casts ``F.linear`` and defer their weight
+    gradients; losses and weights equal torch's own split of the eager stages, bit for bit (``aot_eager`` runs the
+    same kernels)."""
+
+    def fitted(compile: Any) -> tuple[list[float], dict[str, torch.Tensor]]:
+        torch.manual_seed(0)
+        torch.compiler.reset()
+        strategy = PipelineStrategy(num_microbatches=2, schedule="ZBVZeroBubble", compile=compile)
+        return fit_one_process(models.TinyLM(), strategy, models.loader(n=16, batch_size=4), max_steps=3,
+                               precision="bf16-mixed")
+
+    eager, compiled = fitted(False), fitted(AOT_EAGER)
+    assert eager[0] == compiled[0]
+    assert all(torch.equal(eager[1][k], compiled[1][k]) for k in eager[1])
