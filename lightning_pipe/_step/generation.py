@@ -37,7 +37,7 @@ import functools
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional, TypeVar, Union
 
 import torch
 import torch.distributed as dist
@@ -55,6 +55,8 @@ from lightning_pipe._step.partial import PartialPasses
 from lightning_pipe._step.pass_inputs import PassInputs, call_with, check_caches, check_no_ghosts, pass_kind
 from lightning_pipe._step.random_state import random_state_of, set_random_state
 
+_R = TypeVar("_R")
+
 
 @dataclass(frozen=True)
 class Generates:
@@ -69,7 +71,7 @@ class StepFailed:
     message: str
 
     @classmethod
-    def of(cls, err: BaseException, rank: int, step: Callable[..., Any]) -> StepFailed:
+    def of(cls, err: BaseException, rank: int, step: Callable[..., object]) -> StepFailed:
         return cls(f"The last pipeline stage (pipeline rank {rank}) failed in `{_name(step)}`: {type(err).__name__}:"
                    f" {err}")
 
@@ -101,13 +103,13 @@ class LockStep:
         first, stop = getattr(run, "first", None), getattr(run, "stop", None)
         return range(first, stop) if isinstance(first, int) and isinstance(stop, int) else None
 
-    def generates(self, step: Callable[..., Any]) -> bool:
+    def generates(self, step: Callable[..., object]) -> bool:
         return _name(step) in self.steps
 
-    def learn(self, step: Callable[..., Any]) -> None:
+    def learn(self, step: Callable[..., object]) -> None:
         self.steps.add(_name(step))
 
-    def splits_by_rows(self, step: Callable[..., Any], batch_size: int, num_microbatches: int, *args: Any,
+    def splits_by_rows(self, step: Callable[..., object], batch_size: int, num_microbatches: int, *args: Any,
                        **kwargs: Any) -> bool:
         """Whether the single-pass evaluation may run ``step``, whose first model call has ``batch_size`` rows: each
         microbatch's rows of the batch give that call's rows ``start:stop``, of the same shape as the whole call's.
@@ -133,7 +135,7 @@ class LockStep:
         self._rows_checked.add(_name(step))
         return True
 
-    def run(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    def run(self, step: Callable[..., _R], *args: Any, **kwargs: Any) -> _R:
         """The whole step on this rank, its passes through the pipeline; returns what the step returns."""
         self._sync_random_state()
         try:
@@ -322,5 +324,5 @@ class LockStep:
         set_random_state(states, device)
 
 
-def _name(step: Callable[..., Any]) -> str:
+def _name(step: Callable[..., object]) -> str:
     return getattr(step, "__name__", repr(step))
