@@ -26,7 +26,7 @@ import dataclasses
 import hashlib
 import struct
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.distributed as dist
@@ -43,7 +43,7 @@ _MAX_ELEMENTS = 1 << 16
 _ROW_ELEMENTS = 8
 
 
-def fingerprint(batch: Any, device: torch.device) -> torch.Tensor:
+def fingerprint(batch: object, device: torch.device) -> torch.Tensor:
     """Three int64 words on ``device`` that equal batches share (see the module docstring)."""
     digest = hashlib.blake2b(digest_size=8)
     content = torch.zeros((), dtype=torch.int64, device=device)
@@ -79,7 +79,7 @@ def differs(words: torch.Tensor, group: dist.ProcessGroup) -> bool:
     return not torch.equal(both[:n], torch.bitwise_not(both[n:]))
 
 
-def _leaves(obj: Any, path: str) -> Iterator[tuple[str, Any]]:
+def _leaves(obj: object, path: str) -> Iterator[tuple[str, object]]:
     if isinstance(obj, torch.Tensor):
         yield path, obj
     elif isinstance(obj, dict):
@@ -124,7 +124,7 @@ class SameDataCheck:
         self.every, self.group, self.layout, self.device = every, group, layout, device
         self._batches_checked = {"training": 0, "evaluation": 0}
 
-    def __call__(self, kind: str, batch: Any, rest: Sequence[Any], kwargs: dict[str, Any]) -> None:
+    def __call__(self, kind: str, batch: object, rest: Sequence[object], kwargs: dict[str, object]) -> None:
         """Fail on every rank if the stages of this pipeline were not given the same batch.
 
         Every stage loads its own data; a loader whose order depends on the process (a sampler or generator seeded

@@ -32,7 +32,7 @@ _ITEM_OPS = {
 
 #: Called with each operation on ghosts, the ghosts it read and what it returned (``None`` when it reads a value),
 #: while set: the setup's analysis of a step watches them.
-observer: Optional[Callable[[Any, list["Ghost"], Any], None]] = None
+observer: Optional[Callable[[Callable[..., object], list[Ghost], object], None]] = None
 
 
 class GhostValueError(RuntimeError):
@@ -87,7 +87,7 @@ class Ghost(torch.Tensor):
     @classmethod
     @torch.compiler.disable
     def __torch_dispatch__(
-        cls, func: Any, types: tuple[type, ...], args: tuple = (), kwargs: Optional[dict] = None
+        cls, func: Callable[..., object], types: tuple[type, ...], args: tuple = (), kwargs: Optional[dict] = None
     ) -> Any:
         kwargs = kwargs or {}
         ghosts = [a for a in _leaves((args, kwargs)) if isinstance(a, Ghost)]
@@ -109,7 +109,7 @@ class Ghost(torch.Tensor):
             args = _masks_as_positions(args)
         metas: dict[int, Ghost] = {}
 
-        def to_meta(value: Any) -> Any:
+        def to_meta(value: object) -> object:
             if isinstance(value, Ghost):
                 metas[id(value._meta)] = value
                 return value._meta
@@ -120,7 +120,7 @@ class Ghost(torch.Tensor):
         out = _META_STAND_INS.get(func, func)(*tree_map(to_meta, args), **tree_map(to_meta, kwargs))
         origin = first._origin
 
-        def to_ghost(value: Any) -> Any:
+        def to_ghost(value: object) -> object:
             if isinstance(value, torch.Tensor) and value.device.type == "meta":
                 same = metas.get(id(value))  # an in-place op returns its (ghost) argument
                 return same if same is not None else Ghost(value, device, origin)
@@ -132,7 +132,7 @@ class Ghost(torch.Tensor):
         return result
 
 
-def _grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+def _grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, *args: object, **kwargs: Any) -> torch.Tensor:
     """``aten._grouped_mm`` on the meta device for any dtype: torch's meta kernel checks CUDA's rule (bf16 inputs and
     output only), while the CPU kernel also multiplies fp32 (Hugging Face's MoE experts on CPU). The shape is the same
     for every dtype: the kernel's own shape rule on bf16 stand-ins, in the dtype asked for or the inputs'."""
@@ -173,10 +173,12 @@ def _masks_as_positions(args: tuple) -> tuple:
 
 
 #: Meta-device stand-ins for operations whose meta kernel refuses what the real device computes.
-_META_STAND_INS: dict[Any, Callable[..., torch.Tensor]] = {torch.ops.aten._grouped_mm.default: _grouped_mm}
+_META_STAND_INS: dict[Callable[..., object], Callable[..., torch.Tensor]] = {
+    torch.ops.aten._grouped_mm.default: _grouped_mm,
+}
 
 
-def _leaves(tree: Any) -> list:
+def _leaves(tree: object) -> list:
     from torch.utils._pytree import tree_leaves
 
     return tree_leaves(tree)
@@ -188,7 +190,7 @@ def ghost_of(tensor: torch.Tensor, device: Optional[torch.device] = None, origin
     return Ghost(meta, device if device is not None else tensor.device, origin)
 
 
-def contains_ghost(tree: Any) -> bool:
+def contains_ghost(tree: object) -> bool:
     """Whether any tensor in the pytree ``tree`` is a ghost."""
     if isinstance(tree, tuple) and len(tree) == 2 and isinstance(tree[1], dict) and not tree[1] \
             and isinstance(tree[0], tuple) and all(isinstance(a, torch.Tensor) for a in tree[0]):

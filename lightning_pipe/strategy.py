@@ -419,7 +419,7 @@ class PipelineStrategy(ModuleAfterCall, WatchedCollectives, ParallelStrategy):
 
     @override
     def backward(
-        self, closure_loss: Tensor, optimizer: Optional[torch.optim.Optimizer], *args: Any, **kwargs: Any
+        self, closure_loss: Tensor, optimizer: Optional[torch.optim.Optimizer], *args: object, **kwargs: object
     ) -> Tensor:
         """The schedule already ran backward inside ``training_step``; add the gradients it kept aside, between the
         hooks a real backward fires."""
@@ -434,7 +434,7 @@ class PipelineStrategy(ModuleAfterCall, WatchedCollectives, ParallelStrategy):
     # ------------------------------------------------------------------ checkpoints
     @override
     def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: Union[str, os.PathLike], storage_options: Optional[Any] = None
+        self, checkpoint: dict[str, Any], filepath: Union[str, os.PathLike], storage_options: object = None
     ) -> None:
         if storage_options is not None:
             raise TypeError(f"`{type(self).__name__}.save_checkpoint(..., storage_options=...)` is not supported.")
@@ -466,11 +466,11 @@ class PipelineStrategy(ModuleAfterCall, WatchedCollectives, ParallelStrategy):
             _files.remove(filepath)
 
     @override
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+    def load_model_state_dict(self, checkpoint: Mapping[str, object], strict: bool = True) -> None:
         """Loaded in place by :meth:`load_checkpoint`."""
 
     @override
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, object]) -> None:
         """Loaded in place by :meth:`load_checkpoint`."""
 
     # ------------------------------------------------------------------ teardown

@@ -255,7 +255,7 @@ def keep_own_states(checkpoint: dict[str, Any], own: set[str]) -> None:
             checkpoint["callbacks"][key] = {**state, AVERAGE_MODEL_STATE: kept}
 
 
-def _is_state(value: Any) -> bool:
+def _is_state(value: object) -> bool:
     return isinstance(value, dict) and bool(value) and all(isinstance(v, Tensor) for v in value.values())
 
 

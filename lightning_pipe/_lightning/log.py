@@ -33,9 +33,11 @@ from lightning_pipe._lightning.metrics import module_metrics
 _LOG_SIGNATURE = inspect.signature(LightningModule.log)
 #: what `log` takes by keyword after the value: keyword arguments of these names need no binding
 _LOG_OPTIONS = frozenset(_LOG_SIGNATURE.parameters) - {"self", "name", "value"}
+#: what `LightningModule.log` takes as a value (Lightning's `_METRIC`)
+LoggedValue = Union[Metric, torch.Tensor, int, float]
 
 
-def _plain(value: Any) -> Any:
+def _plain(value: LoggedValue) -> LoggedValue:
     """A DTensor logged value (a ``loss_parallel`` loss) as the plain tensor every rank holds: a replicated one's own
     local tensor (so that it is still recognised as the loss), any other one gathered."""
     if not isinstance(value, DTensor):
@@ -47,7 +49,7 @@ class LogRecorder:
     """Stands in for ``LightningModule.log`` and keeps what the step logs, per key."""
 
     def __init__(self) -> None:
-        self.values: dict[str, list[Any]] = {}
+        self.values: dict[str, list[LoggedValue]] = {}
         self.options: dict[str, dict[str, Any]] = {}
         self.batch_sizes: dict[str, list[int]] = {}
         #: what each value weighs in the merge: its batch size, or its count
@@ -55,7 +57,7 @@ class LogRecorder:
         self.rows = 0  # size of the (micro)batch the step is running on
         self._this_microbatch: list[str] = []
 
-    def __call__(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+    def __call__(self, name: str, value: LoggedValue, *args: object, **kwargs: object) -> None:
         if not args and kwargs.keys() <= _LOG_OPTIONS:  # by keyword, as nearly every step logs: nothing to bind
             options = dict(kwargs)
         else:
@@ -124,7 +126,7 @@ class _MetricRef:
     """A picklable pointer to a ``Metric`` submodule of the LightningModule, with the value of its last
     ``forward`` (the batch value Lightning logs for ``on_step=True``): only the last stage ran ``forward``."""
 
-    def __init__(self, path: str, forward_cache: Any = None) -> None:
+    def __init__(self, path: str, forward_cache: object = None) -> None:
         self.path = path
         cache = forward_cache.detach().cpu() if isinstance(forward_cache, torch.Tensor) else None
         self.forward_cache: Optional[torch.Tensor] = cache
@@ -177,7 +179,7 @@ class _MetricStates:
         return hash(self.templates)
 
 
-def _weighted_mean(name: str, values: list[Any], weights: list[Union[int, torch.Tensor]]) -> torch.Tensor:
+def _weighted_mean(name: str, values: list[LoggedValue], weights: list[Union[int, torch.Tensor]]) -> torch.Tensor:
     tensors = []
     for v in values:
         if isinstance(v, Ghost):
@@ -287,7 +289,7 @@ class LogChannel:
         return result, entries
 
 
-def _signature(result: Any, entries: list) -> Optional[tuple]:
+def _signature(result: object, entries: list) -> Optional[tuple]:
     """What must not change between steps for the values-only path: result kind, keys, options, value dtypes."""
     parts = _result_parts(result)
     if parts is None:
@@ -312,7 +314,7 @@ def _signature(result: Any, entries: list) -> Optional[tuple]:
     return (head, *keys)
 
 
-def _result_parts(result: Any) -> Optional[list[torch.Tensor]]:
+def _result_parts(result: object) -> Optional[list[torch.Tensor]]:
     """The scalars a result travels as on the values-only path: none for ``None``, itself for a scalar tensor, its
     items for a tuple of scalar tensors (the training loss and its gradient factor); ``None`` for anything else."""
     if result is None:

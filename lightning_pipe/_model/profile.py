@@ -64,7 +64,7 @@ class BlockCost:
 
 def first_batch(
     module: pl.LightningModule, batch_to_device: Callable[[Any], Any]
-) -> tuple[Callable[..., Any], tuple]:
+) -> tuple[Callable[..., object], tuple]:
     """The step the running ``Trainer`` call runs, and the arguments Lightning's loop passes it for the first batch of
     its data (:func:`~lightning_pipe._lightning.hooks.step_args`), the batch on the device and after the batch
     transfer hooks, as the step sees it; the loaders' random state is left as it was."""
@@ -91,7 +91,7 @@ def measure_backbone(
     module: pl.LightningModule,
     backbone: Backbone,
     structure: Structure,
-    step: Callable[..., Any],
+    step: Callable[..., object],
     batch: Any,
     *,
     rest: tuple = (0,),
@@ -146,7 +146,7 @@ def measure_backbone(
     return costs
 
 
-def _profile_step(program: BlockRunners, step: Callable[..., Any], args: tuple, device: torch.device) -> _Profiled:
+def _profile_step(program: BlockRunners, step: Callable[..., object], args: tuple, device: torch.device) -> _Profiled:
     """One run of ``step(*args)`` (one microbatch) with every block timed on ``device``; returns the timings."""
     run = _Profiled(program, device)
     with program.running(run):

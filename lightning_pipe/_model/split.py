@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Optional, Union
+from typing import TYPE_CHECKING, Callable, Optional, Union
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -68,7 +68,7 @@ class Analysis:
     """What one ghost run of the step on its first batch tells setup before the cut: the running step and the
     arguments Lightning's loop passes it (the batch first), the backbone, and how the step calls it."""
 
-    step: Callable[..., Any]
+    step: Callable[..., object]
     args: tuple
     backbone: Backbone
     structure: Structure
@@ -91,7 +91,7 @@ class Analysis:
 
 def analyse(
     module: nn.Module, backbone_spec: Union[str, list[str]], *, device: torch.device, fitting: bool,
-    sample: Callable[[], tuple[Callable[..., Any], tuple]],
+    sample: Callable[[], tuple[Callable[..., object], tuple]],
 ) -> Analysis:
     """Find the backbone and learn how the step runs it, on the batch ``sample()`` returns with the running step and
     the arguments Lightning's loop passes it on the device."""
@@ -115,7 +115,7 @@ def cut_module(module: nn.Module, analysis: Analysis, layout: StageLayout, *, pi
 
 def reuse_cut(
     module: nn.Module, previous: Cut, placement: tuple[str, int], *, pipeline_parallel_size: int, pipeline_rank: int,
-    device: torch.device, fitting: bool, sample: Callable[[], tuple[Callable[..., Any], tuple]],
+    device: torch.device, fitting: bool, sample: Callable[[], tuple[Callable[..., object], tuple]],
 ) -> Cut:
     """A later Trainer call on a module cut before (``fit``, then ``validate``) keeps its cut, for the same pipeline
     (``placement``: the stages' placement and stages per process); cut again for the same layout when it was made
@@ -135,7 +135,7 @@ def reuse_cut(
 
 
 def _backbone_of(
-    module: nn.Module, spec: Union[str, list[str]], step: Callable[..., Any], args: tuple, device: torch.device,
+    module: nn.Module, spec: Union[str, list[str]], step: Callable[..., object], args: tuple, device: torch.device,
     fitting: bool,
 ) -> tuple[Backbone, Structure]:
     """The backbone and how the step calls it. With ``backbone="auto"`` and several containers of repeated blocks, all
@@ -162,7 +162,8 @@ def _backbone_of(
 
 
 def _consecutive(
-    module: nn.Module, paths: list[str], step: Callable[..., Any], args: tuple, *, device: torch.device, fitting: bool,
+    module: nn.Module, paths: list[str], step: Callable[..., object], args: tuple, *, device: torch.device,
+    fitting: bool,
 ) -> Optional[tuple[Backbone, Structure]]:
     """The containers ``paths`` as one backbone, when the step runs them one after the other, each block's output the
     next one's input within each; else None."""
@@ -184,7 +185,7 @@ def _consecutive(
 
 
 def _candidates_run(
-    module: nn.Module, candidates: list[str], step: Callable[..., Any], args: tuple, *, device: torch.device,
+    module: nn.Module, candidates: list[str], step: Callable[..., object], args: tuple, *, device: torch.device,
     fitting: bool,
 ) -> dict[str, Optional[tuple[Backbone, Structure]]]:
     """``backbone="auto"``: each candidate container the step runs, with how it runs it; a candidate it never calls
@@ -205,7 +206,7 @@ def _candidates_run(
 
 
 def _refuse_reads_elsewhere(
-    module: nn.Module, cut: Cut, sample: Callable[[], tuple[Callable[..., Any], tuple]], device: torch.device,
+    module: nn.Module, cut: Cut, sample: Callable[[], tuple[Callable[..., object], tuple]], device: torch.device,
     fitting: bool,
 ) -> None:
     """A later Trainer call keeps the module's cut, made for the first call's step. Its step may read, outside the

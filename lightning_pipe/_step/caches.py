@@ -34,7 +34,7 @@ from __future__ import annotations
 import copy
 import weakref
 from collections.abc import Hashable
-from typing import Any, Callable, Optional
+from typing import Callable, Optional, Protocol, TypeGuard, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -56,7 +56,21 @@ _BATCH_DIM = {"indexer_position_ids": 1}
 _REFUSED = ("crop", "batch_repeat_interleave", "batch_select_indices", "reset", "offload", "prefetch")
 
 
-def is_cache(value: Any) -> bool:
+class KVCache(Protocol):
+    """What this module uses of a cache object (Hugging Face's ``Cache`` and its look-alikes: :func:`is_cache`): its
+    per-layer entries, opaque objects read and written through ``vars``, ``getattr`` and ``setattr`` (an
+    encoder-decoder cache's are in its two caches: :func:`_parts`)."""
+
+    layers: list[object]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int: ...
+
+
+_Cache = TypeVar("_Cache", bound=KVCache)
+_Layer = TypeVar("_Layer")
+
+
+def is_cache(value: object) -> TypeGuard[KVCache]:
     """Whether ``value`` is a cache object (Hugging Face's ``Cache`` and its look-alikes): per-layer state a pass
     updates in place."""
     return hasattr(value, "get_seq_length") and hasattr(value, "update") and not isinstance(value, Tensor)
@@ -69,13 +83,13 @@ class PassCaches:
         self.num_layers = num_layers  # entries a cache made on first use gets up front
         self.offset = 0  # the block of the pass's cache layer 0 (a decoder's first block: [Note: partial passes])
         self._window = window  # the blocks the stage run in progress runs (None: not known)
-        self._before: dict[int, list[Any]] = {}  # id(microbatch cache) -> its entries as the pass started
-        self._subs: dict[int, dict[tuple[int, int], Any]] = {}  # id(user's cache) -> rows -> that microbatch's cache
-        self._users: dict[int, Any] = {}  # id -> the user's cache (kept alive while its microbatch caches are)
+        self._before: dict[int, list[object]] = {}  # id(microbatch cache) -> its entries as the pass started
+        self._subs: dict[int, dict[tuple[int, int], KVCache]] = {}  # id(user's cache) -> rows -> microbatch's cache
+        self._users: dict[int, KVCache] = {}  # id -> the user's cache (kept alive while its microbatch caches are)
         self._patches = Swaps()  # on the users' caches, for the step ([Note: caches per microbatch])
         self._ages: dict[int, int] = {}  # id(user's cache) -> the passes of this step it was given so far
 
-    def for_rows(self, cache: Any, start: int, stop: int, probing: Optional[str]) -> Any:
+    def for_rows(self, cache: KVCache, start: int, stop: int, probing: Optional[str]) -> KVCache:
         """The cache the rows ``start:stop`` of a pass see in place of ``cache``; a shape probe (``probing``:
         ``"ghost"`` or ``"real"``, how it runs) gets a copy it may change."""
         subs = self.adopt(cache)
@@ -99,7 +113,7 @@ class PassCaches:
                 self._before[id(part)] = [_ghost_layer(layer) for layer in part.layers]
         return _pass_view(sub, self._before, self.window())
 
-    def adopt(self, cache: Any) -> dict[tuple[int, int], Any]:
+    def adopt(self, cache: KVCache) -> dict[tuple[int, int], KVCache]:
         """Take the user's ``cache`` in at its first pass, on every rank (a stage without the pass's blocks included,
         so that what cannot split is refused everywhere alike): checked, patched; returns its microbatch caches."""
         subs = self._subs.get(id(cache))
@@ -116,7 +130,7 @@ class PassCaches:
         blocks = self._window()
         return None if blocks is None else range(blocks.start - self.offset, blocks.stop - self.offset)
 
-    def _throwaway(self, cache: Any) -> Any:
+    def _throwaway(self, cache: _Cache) -> _Cache:
         twin = copy.deepcopy(cache)
         for name in self._patches.names_on(cache):
             vars(twin).pop(name, None)
@@ -148,7 +162,7 @@ class PassCaches:
                     user.layers.append(copy.copy(first.layers[len(user.layers)]))
                 _mirror_layers(user.layers, first.layers, rows=total, everything=True)
 
-    def reorder(self, cache: Any, beam_idx: Tensor) -> None:
+    def reorder(self, cache: KVCache, beam_idx: Tensor) -> None:
         """Beam search's reordering of ``cache``'s rows, done on the microbatches' caches: rows move between them."""
         subs = self._subs.get(id(cache), {})
         ordered = sorted(subs)
@@ -159,7 +173,7 @@ class PassCaches:
             _reorder_rows(caches, sizes, beam_idx)
         self.mirror()
 
-    def ages(self, caches: list[Any]) -> tuple[int, ...]:
+    def ages(self, caches: list[KVCache]) -> tuple[int, ...]:
         """How many passes of this step each of ``caches`` was given before this one, counting this one: the same on
         every rank (a stage without the call's blocks never sees the cache's contents)."""
         found = tuple(self._ages.get(id(cache), 0) for cache in caches)
@@ -176,11 +190,11 @@ class PassCaches:
         self._before.clear()
 
     @property
-    def live(self) -> list[Any]:
+    def live(self) -> list[KVCache]:
         """The microbatch caches held now (a test checks that a step leaves none)."""
         return [sub for subs in self._subs.values() for sub in subs.values()]
 
-    def _patch(self, cache: Any) -> None:
+    def _patch(self, cache: KVCache) -> None:
         """The user's cache answers the loop's reorder on the microbatches' caches and refuses what cannot split."""
         self._patches.put(cache, "reorder_cache", lambda beam_idx: self.reorder(cache, beam_idx))
         for name in _REFUSED:
@@ -234,7 +248,7 @@ class BlockStates:
         self.attributes.end()
 
 
-def _reorder_rows(caches: tuple, sizes: list[int], beam_idx: Tensor) -> None:
+def _reorder_rows(caches: tuple[KVCache, ...], sizes: list[int], beam_idx: Tensor) -> None:
     """Reorder the rows of the microbatches' ``caches`` (in row order, ``sizes`` rows each) as one batch."""
     for index in range(len(caches[0].layers)):
         layers = [c.layers[index] for c in caches]
@@ -250,7 +264,7 @@ def _reorder_rows(caches: tuple, sizes: list[int], beam_idx: Tensor) -> None:
                 _set_slot(layer, name, key, part)
 
 
-def _parts(cache: Any) -> list[Any]:
+def _parts(cache: KVCache) -> list[KVCache]:
     """The caches with layers that ``cache`` is: itself, or an encoder-decoder cache's self-attention and
     cross-attention caches (Hugging Face's ``EncoderDecoderCache``; its ``is_updated`` flags stay its own)."""
     if hasattr(cache, "self_attention_cache") and hasattr(cache, "cross_attention_cache"):
@@ -271,7 +285,7 @@ def _new_buffers(blocks: list[nn.Module], known: dict[int, weakref.ref[Tensor]])
     return found
 
 
-def _pass_view(cache: Any, before: dict[int, list[Any]], window: Optional[range]) -> Any:
+def _pass_view(cache: _Cache, before: dict[int, list[object]], window: Optional[range]) -> _Cache:
     """A microbatch cache as one stage run sees it during a pass: the layers of its ``window`` as they are (nothing
     else changes them in the pass), and every other layer as the pass started (``before``, by ``id`` of the cache
     that holds them), whose ``update`` goes to the cache's own layer (every layer so, when the window is not known).
@@ -296,7 +310,7 @@ def _pass_view(cache: Any, before: dict[int, list[Any]], window: Optional[range]
 
 
 def _refused(kind: str, name: str) -> Callable[..., None]:
-    def refuse(*args: Any, **kwargs: Any) -> None:
+    def refuse(*args: object, **kwargs: object) -> None:
         raise BackboneCallError(
             f"The decoding loop called `{kind}.{name}()` on a cache that `PipelineStrategy` splits over microbatches"
             " and stages; only `reorder_cache` (beam search) is supported. Use greedy, sampling or beam search"
@@ -306,7 +320,7 @@ def _refused(kind: str, name: str) -> Callable[..., None]:
     return refuse
 
 
-def _check_splittable(cache: Any, whole: Any) -> None:
+def _check_splittable(cache: KVCache, whole: KVCache) -> None:
     """Refuse ``cache`` (``whole``, or one of its parts) unless its layers split by rows."""
     layers = getattr(cache, "layers", None)
     kinds = sorted({type(layer).__name__ for layer in layers or () if not _splittable(layer)})
@@ -323,12 +337,12 @@ def _check_splittable(cache: Any, whole: Any) -> None:
         )
 
 
-def _splittable(layer: Any) -> bool:
+def _splittable(layer: object) -> bool:
     bases = {cls.__name__ for cls in type(layer).__mro__}
     return bool(bases & set(_SPLITTABLE)) and not bases & set(_NOT_SPLITTABLE)
 
 
-def _row_slots(layer: Any) -> list[tuple[str, Optional[Hashable], int]]:
+def _row_slots(layer: object) -> list[tuple[str, Optional[Hashable], int]]:
     """``(attribute, key or None, batch dimension)`` of each tensor per row a cache layer holds: a tensor attribute
     (keys, values, an indexer's keys) or a tensor in a dict attribute (linear attention's conv and recurrent states,
     DeepSeek V4's compressor buffers). A tensor of no more dimensions than its batch dimension is a counter."""
@@ -343,12 +357,12 @@ def _row_slots(layer: Any) -> list[tuple[str, Optional[Hashable], int]]:
     return slots
 
 
-def _slot(layer: Any, name: str, key: Optional[Hashable]) -> Tensor:
+def _slot(layer: object, name: str, key: Optional[Hashable]) -> Tensor:
     value = getattr(layer, name)
     return value if key is None else value[key]
 
 
-def _set_slot(layer: Any, name: str, key: Optional[Hashable], value: Tensor) -> None:
+def _set_slot(layer: object, name: str, key: Optional[Hashable], value: Tensor) -> None:
     if key is None:
         setattr(layer, name, value)
     else:
@@ -361,7 +375,7 @@ def _placeholder(value: Tensor, dim: int) -> bool:
     return value.numel() == 0 and value.dim() <= dim + 1
 
 
-def _filled(cache: Any) -> bool:
+def _filled(cache: KVCache) -> bool:
     return any(
         isinstance(_slot(layer, name, key), Ghost) or _slot(layer, name, key).numel() > 0
         for part in _parts(cache)
@@ -370,7 +384,7 @@ def _filled(cache: Any) -> bool:
     )
 
 
-def _holds(layer: Any) -> bool:
+def _holds(layer: object) -> bool:
     """Whether a cache layer holds real state (this rank runs it)."""
     for name, key, _ in _row_slots(layer):
         value = _slot(layer, name, key)
@@ -379,7 +393,7 @@ def _holds(layer: Any) -> bool:
     return False
 
 
-def _ghost_layer(layer: Any, rows: Optional[int] = None) -> Any:
+def _ghost_layer(layer: _Layer, rows: Optional[int] = None) -> _Layer:
     """A shallow copy of ``layer`` with dicts of its own (its flags and counters as they are now) whose tensors per
     row are ghosts (of ``rows`` rows when given)."""
     twin = copy.copy(layer)
@@ -395,7 +409,7 @@ def _ghost_layer(layer: Any, rows: Optional[int] = None) -> Any:
     return twin
 
 
-def _mirror_layers(target: list, source: list, rows: Optional[int], everything: bool = False) -> None:
+def _mirror_layers(target: list[object], source: list[object], rows: Optional[int], everything: bool = False) -> None:
     """Each entry of ``target`` that this rank does not run (or every entry, ``everything``) becomes a ghost copy of
     the first entry of ``source`` this rank runs, of the same kind."""
     runs = {}
@@ -411,7 +425,7 @@ def _mirror_layers(target: list, source: list, rows: Optional[int], everything: 
             target[index] = _ghost_layer(model, rows)
 
 
-def _ghost_copy(cache: Any) -> Any:
+def _ghost_copy(cache: _Cache) -> _Cache:
     """A copy of ``cache`` whose layers hold ghosts: what a shape probe may change."""
     twin = copy.copy(cache)
     parts = _parts(cache)

@@ -37,7 +37,7 @@ import functools
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional, ParamSpec, TypeVar, Union
 
 import torch
 import torch.distributed as dist
@@ -55,6 +55,9 @@ from lightning_pipe._step.partial import PartialPasses
 from lightning_pipe._step.pass_inputs import PassInputs, call_with, check_caches, check_no_ghosts, pass_kind
 from lightning_pipe._step.random_state import random_state_of, set_random_state
 
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
 
 @dataclass(frozen=True)
 class Generates:
@@ -69,7 +72,7 @@ class StepFailed:
     message: str
 
     @classmethod
-    def of(cls, err: BaseException, rank: int, step: Callable[..., Any]) -> StepFailed:
+    def of(cls, err: BaseException, rank: int, step: Callable[..., object]) -> StepFailed:
         return cls(f"The last pipeline stage (pipeline rank {rank}) failed in `{_name(step)}`: {type(err).__name__}:"
                    f" {err}")
 
@@ -101,13 +104,13 @@ class LockStep:
         first, stop = getattr(run, "first", None), getattr(run, "stop", None)
         return range(first, stop) if isinstance(first, int) and isinstance(stop, int) else None
 
-    def generates(self, step: Callable[..., Any]) -> bool:
+    def generates(self, step: Callable[..., object]) -> bool:
         return _name(step) in self.steps
 
-    def learn(self, step: Callable[..., Any]) -> None:
+    def learn(self, step: Callable[..., object]) -> None:
         self.steps.add(_name(step))
 
-    def splits_by_rows(self, step: Callable[..., Any], batch_size: int, num_microbatches: int, *args: Any,
+    def splits_by_rows(self, step: Callable[..., object], batch_size: int, num_microbatches: int, *args: Any,
                        **kwargs: Any) -> bool:
         """Whether the single-pass evaluation may run ``step``, whose first model call has ``batch_size`` rows: each
         microbatch's rows of the batch give that call's rows ``start:stop``, of the same shape as the whole call's.
@@ -133,7 +136,7 @@ class LockStep:
         self._rows_checked.add(_name(step))
         return True
 
-    def run(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    def run(self, step: Callable[..., _R], *args: Any, **kwargs: Any) -> _R:
         """The whole step on this rank, its passes through the pipeline; returns what the step returns."""
         self._sync_random_state()
         try:
@@ -180,10 +183,10 @@ class LockStep:
                 " pipeline, and its result reaches every rank."
             )
 
-    def _intercepting(self, module: nn.Module, forward: Callable[..., Any]) -> Callable[..., Any]:
+    def _intercepting(self, module: nn.Module, forward: Callable[_P, _R]) -> Callable[_P, _R]:
         # `wraps` keeps the signature: `generate()` reads it (it passes `position_ids` to a forward that takes them)
         @functools.wraps(forward)
-        def intercepted(*args: Any, **kwargs: Any) -> Any:
+        def intercepted(*args: _P.args, **kwargs: _P.kwargs) -> _R:
             if self._in_pass or self.runtime.program.current is not None:
                 return forward(*args, **kwargs)  # inside a pass: the stage's own run
             self._in_pass = True
@@ -195,12 +198,12 @@ class LockStep:
 
         return intercepted
 
-    def _run_where_held(self, path: str, forward: Callable[..., Any], stages: frozenset[int]) -> Callable[..., Any]:
+    def _run_where_held(self, path: str, forward: Callable[_P, _R], stages: frozenset[int]) -> Callable[_P, _R]:
         """A call of an encoder outside the backbone (:func:`~lightning_pipe._step.partial.outside_encoders`): run on
         the first stage that holds all of its parameters, its result sent to every rank of the pipeline."""
 
         @functools.wraps(forward)
-        def intercepted(*args: Any, **kwargs: Any) -> Any:
+        def intercepted(*args: _P.args, **kwargs: _P.kwargs) -> _R:
             if self._in_pass or self.runtime.program.current is not None:
                 return forward(*args, **kwargs)
             if not stages:
@@ -211,7 +214,7 @@ class LockStep:
                 )
             self.partial.outside_called = True
             stage = min(stages)
-            answer: Any = None
+            answer: object = None
             failed = None
             if self.runtime.pipeline.pipeline_rank == self.runtime.layout.stage_rank(stage):
                 try:
@@ -246,7 +249,7 @@ class LockStep:
         answering = pipeline.pipeline_rank == runtime.layout.stage_rank(answer_stage)
         self.caches.begin_pass(blocks)
         self.states.begin(batch_size)
-        answer: Any = None
+        answer: object = None
         failed = None
         with program.passing(flow) if flow is not None else nullcontext():
             try:
@@ -270,7 +273,7 @@ class LockStep:
         self.caches.mirror()
         return result
 
-    def _share(self, answer: Any, inputs: tuple[tuple, dict], stage: int) -> Any:
+    def _share(self, answer: object, inputs: tuple[tuple, dict], stage: int) -> Any:
         """The ``answer`` of ``stage`` (the last, or the answer stage of a partial pass) on every rank of the
         pipeline: its tensors broadcast, the objects it passed through from the call's inputs (a cache) taken from
         this rank's own inputs."""
@@ -322,5 +325,5 @@ class LockStep:
         set_random_state(states, device)
 
 
-def _name(step: Callable[..., Any]) -> str:
+def _name(step: Callable[..., object]) -> str:
     return getattr(step, "__name__", repr(step))

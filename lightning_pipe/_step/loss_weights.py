@@ -82,7 +82,7 @@ class MeanObserver(TorchFunctionMode):
             self._note(func, args, kwargs, out)
         return out
 
-    def _note(self, func: Callable[..., Any], args: tuple, kwargs: dict, out: Tensor) -> None:
+    def _note(self, func: Callable[..., object], args: tuple, kwargs: dict, out: Tensor) -> None:
         first = args[0] if args else None
         if func in _COUNTED_LOSSES:
             count = _loss_count(func, args, kwargs)
@@ -101,7 +101,7 @@ class MeanObserver(TorchFunctionMode):
         elif out.dim() == 0 and id(first) in self._counts and _scalars_only(args[1:], kwargs):
             self._counts[id(out)] = out  # count.float(), count.clamp(min=1), count + eps
 
-    def _is_mask(self, t: Any) -> bool:
+    def _is_mask(self, t: object) -> bool:
         if not isinstance(t, Tensor) or isinstance(t, Ghost):
             return False
         return id(t) in self._masks or not (t.dtype.is_floating_point or t.dtype.is_complex)
@@ -129,7 +129,7 @@ class LossWeighing:
         """The observer of one microbatch's loss code, a context manager (a ``TorchFunctionMode``)."""
         return MeanObserver()
 
-    def add(self, result: Any, loss: Tensor, observer: MeanObserver) -> tuple[Optional[Tensor], float]:
+    def add(self, result: object, loss: Tensor, observer: MeanObserver) -> tuple[Optional[Tensor], float]:
         """Take one microbatch's loss; returns its weight (``None``: its rows) and the factor that multiplies the loss
         it back-propagates (0: back-propagate an exact zero)."""
         weight, source = _weight_of(result, loss, observer)
@@ -205,7 +205,7 @@ def whole(loss: Tensor) -> Tensor:
     return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
 
-def _weight_of(result: Any, loss: Tensor, observer: MeanObserver) -> tuple[Optional[Tensor], str]:
+def _weight_of(result: object, loss: Tensor, observer: MeanObserver) -> tuple[Optional[Tensor], str]:
     if isinstance(result, dict) and NUM_ITEMS in result:
         return _explicit_count(result[NUM_ITEMS], loss), NUM_ITEMS
     for out, count in observer.means:
@@ -214,7 +214,7 @@ def _weight_of(result: Any, loss: Tensor, observer: MeanObserver) -> tuple[Optio
     return None, "rows"
 
 
-def _explicit_count(value: Any, loss: Tensor) -> Tensor:
+def _explicit_count(value: object, loss: Tensor) -> Tensor:
     count = None
     if isinstance(value, Tensor) and not isinstance(value, Ghost) and value.numel() == 1:
         count = value.detach().reshape(()).double()
@@ -229,7 +229,7 @@ def _explicit_count(value: Any, loss: Tensor) -> Tensor:
     return count.to(loss.device)
 
 
-def _loss_count(func: Callable[..., Any], args: tuple, kwargs: dict) -> Optional[Tensor]:
+def _loss_count(func: Callable[..., object], args: tuple, kwargs: dict) -> Optional[Tensor]:
     """The count a mean-reduced ``cross_entropy``/``nll_loss`` call divides by, or ``None`` if not mean-reduced."""
     bound = _COUNTED_LOSSES[func].bind(*args, **kwargs)
     bound.apply_defaults()

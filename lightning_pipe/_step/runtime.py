@@ -33,7 +33,7 @@ import time
 import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -84,6 +84,7 @@ if TYPE_CHECKING:
     from lightning_pipe._step.shapes import Metas
 
 log = logging.getLogger(__name__)
+_R = TypeVar("_R")
 
 
 class PipelineRuntime:
@@ -225,7 +226,7 @@ class PipelineRuntime:
             self.choice.config, self.choice.decided = config, True
         self.trial = None
 
-    def keep_stored_choice(self, record: Any) -> None:
+    def keep_stored_choice(self, record: object) -> None:
         """A resumed ``schedule="auto"`` run keeps the configuration its checkpoint stores instead of timing again,
         when the cut has its placement (setup predicted the same); ``record`` is from disk, so checked."""
         config = Config.from_record(record)
@@ -324,7 +325,7 @@ class PipelineRuntime:
         return loss.to(self.device)
 
     # ------------------------------------------------------------------------------------------------ evaluation
-    def eval_batch(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    def eval_batch(self, step: Callable[..., _R], *args: Any, **kwargs: Any) -> _R:
         """A forward-only pass of one batch through ``step`` (``validation_step``, ...); returns the step's result on
         every rank."""
         module, program, pipeline = self.module, self.program, self.pipeline
@@ -369,7 +370,7 @@ class PipelineRuntime:
         replay(module, entries, self.device, self.dp_group)
         return apply_to_collection(result, Tensor, lambda t: t.to(self.device))
 
-    def _generate(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    def _generate(self, step: Callable[..., _R], *args: Any, **kwargs: Any) -> _R:
         with self._unsharded():
             return self.lock_step.run(step, *args, **kwargs)
 
@@ -477,7 +478,7 @@ class PipelineRuntime:
         for buffer in self.module.buffers():
             dist.broadcast(buffer, group_src=0, group=self.dp_group)
 
-def _ghost_result(step: Callable[..., Any]) -> Exception:
+def _ghost_result(step: Callable[..., object]) -> Exception:
     name = getattr(step, "__name__", "the step")
     return BackboneCallError(not_computed_by_last_stage(
         f"`{name}` returns values", "Return values computed from the backbone's output and the batch."

@@ -110,7 +110,7 @@ def consolidate(
     return out
 
 
-def write_file(checkpoint: dict[str, Any], out: Path) -> None:
+def write_file(checkpoint: dict[str, object], out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
     torch.save(checkpoint, tmp)
@@ -154,7 +154,7 @@ def _optimizer_state(flat: dict[str, Any], groups: list[list[str]]) -> dict[str,
     return {"state": state, "param_groups": param_groups}
 
 
-def _set_nested(target: dict[str, Any], keys: list[str], value: Any) -> None:
+def _set_nested(target: dict[str, Any], keys: list[str], value: object) -> None:
     for key in keys[:-1]:
         target = target.setdefault(key, {})
     target[keys[-1]] = value

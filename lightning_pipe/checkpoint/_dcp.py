@@ -139,7 +139,7 @@ def _prepare(path: Path, tmp: Path) -> None:
     remove(tmp)  # if a save that was killed left it
 
 
-def _attempt(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Optional[BaseException]:
+def _attempt(fn: Callable[..., object], *args: object, **kwargs: object) -> Optional[BaseException]:
     """Run ``fn``; return what it raised (DCP's ``CheckpointException`` is a ``BaseException``), or None."""
     try:
         fn(*args, **kwargs)
@@ -183,7 +183,7 @@ def load(
     checkpoint_io: CheckpointIO,
     global_rank: int,
     prepare: Optional[Callable[[dict[str, Any]], None]] = None,
-    chosen: Optional[Callable[[Any], None]] = None,
+    chosen: Optional[Callable[[object], None]] = None,
 ) -> dict[str, Any]:
     """Load a checkpoint into ``module`` and ``optimizers`` in place; return the rest for Lightning.
 
@@ -258,7 +258,7 @@ def load(
     return checkpoint
 
 
-def _class_name(obj: Any) -> str:
+def _class_name(obj: object) -> str:
     return f"{type(obj).__module__}.{type(obj).__qualname__}"
 
 

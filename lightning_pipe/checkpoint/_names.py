@@ -160,7 +160,7 @@ def load_flat_optimizer_state(
     replace_param_groups(optimizer, flat, reps)
 
 
-def _nest(target: dict[str, Any], path: list[str], value: Any) -> None:
+def _nest(target: dict[str, Any], path: list[str], value: object) -> None:
     for part in path[:-1]:
         target = target.setdefault(part, {})
     target[path[-1]] = value
@@ -228,7 +228,7 @@ def load_full_optimizer_state(
     optimizer.load_state_dict({"state": new_state, "param_groups": new_groups})
 
 
-def shard_like(value: Any, like: Any) -> Any:
+def shard_like(value: object, like: torch.Tensor) -> object:
     """``value`` (a whole tensor read from a single file, the same on every rank) as this rank's shard when ``like``
     is sharded: each rank takes its part, no communication."""
     if isinstance(like, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor):

@@ -147,10 +147,10 @@ DCP_INDEX_GLOBALS: dict[str, tuple[str, ...]] = {
 }
 
 
-def dcp_metadata_globals() -> dict[tuple[str, str], Any]:
+def dcp_metadata_globals() -> dict[tuple[str, str], object]:
     """``(module, name)`` -> object for every global :data:`DCP_INDEX_GLOBALS` admits, plus those the user
     allow-listed with ``torch.serialization.add_safe_globals``."""
-    allowed: dict[tuple[str, str], Any] = {}
+    allowed: dict[tuple[str, str], object] = {}
     for module_name, names in DCP_INDEX_GLOBALS.items():
         module = importlib.import_module(module_name)
         for name in names:
@@ -170,7 +170,7 @@ class _RestrictedUnpickler(pickle.Unpickler):
         self._allowed = dcp_metadata_globals()
         self._source = source
 
-    def find_class(self, module: str, name: str) -> Any:
+    def find_class(self, module: str, name: str) -> object:
         obj = self._allowed.get((module, name))
         if obj is not None:
             return obj
@@ -181,7 +181,7 @@ class _RestrictedUnpickler(pickle.Unpickler):
             f" written by torch.distributed.checkpoint, or it was tampered with. {_TRUST_HINT}."
         )
 
-    def persistent_load(self, pid: Any) -> NoReturn:
+    def persistent_load(self, pid: object) -> NoReturn:
         raise UnsafeCheckpointError(
             f"`{self._source}` holds a persistent reference, which DCP's index never holds. {_TRUST_HINT}."
         )
@@ -224,7 +224,7 @@ class SafeFileSystemReader(FileSystemReader):
         super().__init__(path)
         self.weights_only = weights_only
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> _dcp_metadata.Metadata:
+    def read_metadata(self, *args: object, **kwargs: object) -> _dcp_metadata.Metadata:
         rank = kwargs.get("rank")  # DCP asks for a rank's own index when the global one cannot be read
         name = ".metadata" if rank is None else f"__{rank}.metadata"  # DCP's file names
         metadata = load_dcp_metadata(Path(self.path) / name, self.weights_only)

@@ -43,7 +43,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Callable, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, ParamSpec, TypeVar, Union
 
 import torch
 import torch.distributed as dist
@@ -62,6 +62,8 @@ _STAGE_OPS = {  # getter -> (direction, payload)
     "get_bwd_send_ops": ("send", "grad"),
 }
 _tracing = False  # the module-level helpers are process-wide: one trace at a time
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
 
 def _arg(args: tuple, kwargs: dict, position: int, name: str, default: Any = None) -> Any:
@@ -169,7 +171,7 @@ class TimelineRecorder:
             self.events.sort(key=lambda e: (e["start"], e["end"]))
 
     @contextmanager
-    def collective(self, name: str, **args: Any) -> Iterator[None]:
+    def collective(self, name: str, **args: object) -> Iterator[None]:
         """Record the block as a ``collective`` event: a gradient reduction over the replicas (all-reduce,
         reduce-scatter) or over the ranks of a tied parameter, during or after the traced step."""
         sync = self._sync
@@ -183,13 +185,15 @@ class TimelineRecorder:
                 sync()
             self.add_collective(name, t0, time.perf_counter_ns(), **args)
 
-    def add_collective(self, name: str, start_ns: int, end_ns: int, **args: Any) -> None:
+    def add_collective(self, name: str, start_ns: int, end_ns: int, **args: object) -> None:
         """Record a ``collective`` event between two ``time.perf_counter_ns()`` readings (an asynchronous one: from
         its launch to its completion)."""
         self._add("collective", name, None, None, t0=start_ns, t1=end_ns, **args)
 
     # ------------------------------------------------------------------ wrappers
-    def _add(self, cat: str, name: str, stage: Optional[int], mb: Optional[int], t0: int, t1: int, **args: Any) -> None:
+    def _add(
+        self, cat: str, name: str, stage: Optional[int], mb: Optional[int], t0: int, t1: int, **args: object
+    ) -> None:
         event: Event = {
             "rank": self.rank,
             "cat": cat,
@@ -203,7 +207,9 @@ class TimelineRecorder:
             event["args"] = args
         self.events.append(event)
 
-    def _timed_compute(self, cat: str, stage: int, mb: Optional[int], fn: Callable, args: tuple, kwargs: dict) -> Any:
+    def _timed_compute(
+        self, cat: str, stage: int, mb: Optional[int], fn: Callable[..., _R], args: tuple, kwargs: dict
+    ) -> _R:
         sync = self._sync
         if sync is not None:
             sync()
@@ -217,15 +223,15 @@ class TimelineRecorder:
             mb = int(mb) if mb is not None else None
             self._add(cat, f"{_LETTER[cat]}{mb} s{stage}", stage, mb, t0=t0, t1=t1)
 
-    def _wrap_forward(self, fn: Callable, stage: int) -> Callable:
-        def forward_one_chunk(*args: Any, **kwargs: Any) -> Any:
+    def _wrap_forward(self, fn: Callable[_P, _R], stage: int) -> Callable[_P, _R]:
+        def forward_one_chunk(*args: _P.args, **kwargs: _P.kwargs) -> _R:
             mb = _arg(args, kwargs, 0, "fwd_chunk_id")
             return self._timed_compute("forward", stage, mb, fn, args=args, kwargs=kwargs)
 
         return forward_one_chunk
 
-    def _wrap_backward(self, fn: Callable, stage: int) -> Callable:
-        def backward_one_chunk(*args: Any, **kwargs: Any) -> Any:
+    def _wrap_backward(self, fn: Callable[_P, _R], stage: int) -> Callable[_P, _R]:
+        def backward_one_chunk(*args: _P.args, **kwargs: _P.kwargs) -> _R:
             mb = _arg(args, kwargs, 0, "bwd_chunk_id")
             full = _arg(args, kwargs, 2, "full_backward", True)
             cat = "backward" if full else "backward_input"
@@ -233,15 +239,15 @@ class TimelineRecorder:
 
         return backward_one_chunk
 
-    def _wrap_weight(self, fn: Callable, stage: int) -> Callable:
-        def backward_weight_one_chunk(*args: Any, **kwargs: Any) -> Any:
+    def _wrap_weight(self, fn: Callable[_P, _R], stage: int) -> Callable[_P, _R]:
+        def backward_weight_one_chunk(*args: _P.args, **kwargs: _P.kwargs) -> _R:
             mb = _arg(args, kwargs, 0, "bwd_chunk_id")
             return self._timed_compute("backward_weight", stage, mb, fn, args=args, kwargs=kwargs)
 
         return backward_weight_one_chunk
 
-    def _wrap_loss(self, fn: Callable) -> Callable:
-        def maybe_compute_loss(*args: Any, **kwargs: Any) -> Any:
+    def _wrap_loss(self, fn: Callable[_P, _R]) -> Callable[_P, _R]:
+        def maybe_compute_loss(*args: _P.args, **kwargs: _P.kwargs) -> _R:
             stage = _arg(args, kwargs, 0, "stage")
             if not getattr(stage, "is_last", False):
                 return fn(*args, **kwargs)
@@ -250,8 +256,10 @@ class TimelineRecorder:
 
         return maybe_compute_loss
 
-    def _wrap_getter(self, fn: Callable, stage: int, direction: str, payload: str) -> Callable:
-        def get_ops(*args: Any, **kwargs: Any) -> list[dist.P2POp]:
+    def _wrap_getter(
+        self, fn: Callable[..., list[dist.P2POp]], stage: int, direction: str, payload: str
+    ) -> Callable[..., list[dist.P2POp]]:
+        def get_ops(*args: int, **kwargs: int) -> list[dist.P2POp]:  # the microbatch (fwd_chunk_id, bwd_chunk_id)
             ops = fn(*args, **kwargs)
             mb = args[0] if args else next(iter(kwargs.values()), None)  # fwd_chunk_id / bwd_chunk_id
             if mb is None:
@@ -267,14 +275,14 @@ class TimelineRecorder:
 
         return get_ops
 
-    def _wrap_post(self, fn: Callable) -> Callable:
+    def _wrap_post(self, fn: Callable[..., list[dist.Work]]) -> Callable[..., list[dist.Work]]:
         """With per-direction (torch 2.14) or per-edge (2.15) communicators, ``_batch_p2p`` splits a batch that spans
         several process groups and calls itself, through the module global (so through this wrapper), once per
         group. The outermost call is the one the schedule made: it alone becomes an event. Its works are the inner
         calls' works concatenated in group order, not in op order, so the works are labelled by the innermost calls,
         where they pair with their ops."""
 
-        def batch_p2p(p2p_ops: list[dist.P2POp], *args: Any, **kwargs: Any) -> list[dist.Work]:
+        def batch_p2p(p2p_ops: list[dist.P2POp], *args: object, **kwargs: object) -> list[dist.Work]:
             if not p2p_ops:
                 return fn(p2p_ops, *args, **kwargs)
             outermost = self._post_depth == 0
@@ -299,8 +307,8 @@ class TimelineRecorder:
 
         return batch_p2p
 
-    def _wrap_wait(self, fn: Callable) -> Callable:
-        def wait_batch_p2p(work: list[dist.Work], *args: Any, **kwargs: Any) -> None:
+    def _wrap_wait(self, fn: Callable[..., None]) -> Callable[..., None]:
+        def wait_batch_p2p(work: list[dist.Work], *args: object, **kwargs: object) -> None:
             works = list(work) if work else []
             if not works:
                 return fn(work, *args, **kwargs)
