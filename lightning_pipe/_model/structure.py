@@ -30,24 +30,15 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from lightning_pipe import _ghost
+from lightning_pipe._calls.batch import call_muted
+from lightning_pipe._calls.records import BlockIO, HiddenAt, OutputKind, Structure, replace_hidden
+from lightning_pipe._calls.runners import BlockCalls, BlockRunners, Runner, never_called
+from lightning_pipe._calls.stops import SecondPass
 from lightning_pipe._compat.transformers import install_output_capturing
 from lightning_pipe._errors import BackboneCallError
 from lightning_pipe._ghost import Ghost, GhostValueError, ghost_of
 from lightning_pipe._lightning.metrics import metrics_set_aside, module_metrics
 from lightning_pipe._model.backbone import Backbone
-from lightning_pipe._model.calls import (
-    BlockCalls,
-    BlockIO,
-    BlockRunners,
-    HiddenAt,
-    OutputKind,
-    Runner,
-    SecondPass,
-    Structure,
-    call_muted,
-    never_called,
-    replace_hidden,
-)
 from lightning_pipe._model.flow import Producer, Unsendable, block_position, region_position
 from lightning_pipe._model.inner import record_call
 from lightning_pipe._model.untouched import no_ghosts_left

@@ -15,12 +15,12 @@ the backbone's blocks swapped for runners (:class:`Runner`) that decide what eac
 - **answer** (:meth:`StepProgram.run_answering`, the last stage's loss in training, and evaluation): the same with
   the code after the backbone as the window: every block is skipped, the values the last stage output take their
   producers' places, and the code after the backbone (final norm, head, loss, ``self.log``, metrics) runs for real.
-- **capture** (:meth:`~lightning_pipe._model.calls.BlockRunners.batch_size_of`): the code before the backbone runs on
+- **capture** (:meth:`~lightning_pipe._calls.runners.BlockRunners.batch_size_of`): the code before the backbone runs on
   ghosts until the first block call, whose hidden state gives the batch size.
 
-The runners and the machinery that swaps them in are :mod:`lightning_pipe._model.calls`; what the setup learned about
-each block call (:class:`~lightning_pipe._model.calls.Structure`) tells the runners where the hidden state is and what
-shape of output a skipped block returns.
+The runners and the machinery that swaps them in are :mod:`lightning_pipe._calls.runners`; what the setup learned
+about each block call (:class:`~lightning_pipe._calls.records.Structure`) tells the runners where the hidden state is
+and what shape of output a skipped block returns (:mod:`lightning_pipe._calls.skipped`).
 """
 
 from __future__ import annotations
@@ -35,20 +35,13 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
+from lightning_pipe._calls.batch import call_muted, slice_batch
+from lightning_pipe._calls.records import HiddenAt, Structure, replace_hidden
+from lightning_pipe._calls.runners import BlockCalls, BlockRunners, never_called
+from lightning_pipe._calls.stops import Stop
 from lightning_pipe._errors import BackboneCallError, stop_iteration_fails
 from lightning_pipe._ghost import Ghost, GhostValueError, contains_ghost, ghost_of
 from lightning_pipe._model.backbone import Backbone
-from lightning_pipe._model.calls import (
-    BlockCalls,
-    BlockRunners,
-    HiddenAt,
-    Stop,
-    Structure,
-    call_muted,
-    never_called,
-    replace_hidden,
-    slice_batch,
-)
 from lightning_pipe._model.flow import Flow, Producer
 from lightning_pipe._model.structure import everything_ghosted
 
