@@ -3,7 +3,7 @@ what the step returned (:func:`loss_of`), and the step called with its logging m
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
@@ -11,6 +11,8 @@ from torch.utils._pytree import tree_leaves
 from lightning_pipe._errors import BackboneCallError, not_computed_by_last_stage, stop_iteration_fails
 from lightning_pipe._ghost import Ghost
 from lightning_pipe._lightning.log import LogRecorder
+
+Result = TypeVar("Result")
 
 
 def rows_dim(hidden: tuple[int, ...], batch: Any) -> int:
@@ -64,7 +66,7 @@ def loss_of(result: Any) -> Tensor:
     return loss
 
 
-def call_muted(module: nn.Module, step: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+def call_muted(module: nn.Module, step: Callable[..., Result], args: tuple, kwargs: dict) -> Result:
     """``step(*args, **kwargs)``, what it logs kept by a recorder that is then dropped."""
     with LogRecorder().installed(module), stop_iteration_fails():  # the last stage logs the step per microbatch
         return step(*args, **kwargs)

@@ -82,7 +82,7 @@ def get_hidden(args: tuple, kwargs: dict, at: HiddenAt) -> Any:
     return kwargs[key]
 
 
-def replace_hidden(args: tuple, kwargs: dict, at: HiddenAt, value: Any) -> tuple[tuple, dict]:
+def replace_hidden(args: tuple, kwargs: dict, at: HiddenAt, value: Tensor) -> tuple[tuple, dict]:
     """The arguments of a block call with ``value`` as the hidden state, in the argument ``at`` names."""
     where, key = at
     if where == "arg":

@@ -14,7 +14,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, NoReturn, Optional, Union
 
 import torch
 from torch import Tensor, nn
@@ -172,7 +172,7 @@ class BlockRunners(SkippedBlocks):
             for key, entries in (swaps or {}).items()
         }
         # what the stand-ins replaced (a parameter or buffer, or a table of hooks), put back after
-        self._displaced: list[tuple[dict, str, Any]] = []
+        self._displaced: list[tuple[dict, str, Optional[Union[Tensor, dict]]]] = []
         # a weak reference: the hooks stay on the user's modules, the program may go (a later Trainer call builds
         # another); a hook whose program is gone does nothing
         me = weakref.ref(self)
@@ -185,7 +185,7 @@ class BlockRunners(SkippedBlocks):
         ]
 
     # -------------------------------------------------------------------------------------------- the capture
-    def batch_size_of(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> int:
+    def batch_size_of(self, step: Callable[..., object], *args: Any, **kwargs: Any) -> int:
         """The batch size of a step's call: the rows of the first block's hidden state (see
         :func:`~lightning_pipe._calls.batch.rows_dim`)."""
         return self.rows_of(self.hidden_shape_of(step, *args, **kwargs), *args[:1])
@@ -195,12 +195,12 @@ class BlockRunners(SkippedBlocks):
         self.rows_dim = rows_dim(shape, (batch,))
         return shape[self.rows_dim]
 
-    def hidden_shape_of(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[int, ...]:
+    def hidden_shape_of(self, step: Callable[..., object], *args: Any, **kwargs: Any) -> tuple[int, ...]:
         """The shape of the first block's hidden state in a step's call (found on ghosts)."""
         return self.first_call_of(step, *args, **kwargs)[1]
 
     def first_call_of(
-        self, step: Callable[..., Any], *args: Any, **kwargs: Any
+        self, step: Callable[..., object], *args: Any, **kwargs: Any
     ) -> tuple[int, tuple[int, ...]]:
         """The first block a step's call runs (0, or an encoder-decoder's decoder's first when it is given the
         encoder's output) and the shape of its hidden state (found on ghosts)."""
@@ -249,7 +249,7 @@ class BlockRunners(SkippedBlocks):
         if self.current is not None:
             self.current.restore_prefix = None
 
-    def _swap(self, entries: list) -> None:
+    def _swap(self, entries: list[tuple[nn.Module, str, str, Tensor, Tensor]]) -> None:
         """Put the stand-ins in. What is registered may no longer be the tensor captured at setup: a sharded stage
         registers its unsharded parameters while unsharded."""
         self._displaced = []
@@ -278,7 +278,7 @@ def _module_returned(
 
 
 class _Capture(BlockCalls):
-    def call_block(self, index: int, block: nn.Module, args: tuple, kwargs: dict) -> Any:
+    def call_block(self, index: int, block: nn.Module, args: tuple, kwargs: dict) -> NoReturn:
         raise Stop((index, get_hidden(args, kwargs, self.locate_hidden(index, args, kwargs))))
 
 

@@ -48,7 +48,10 @@ class SkippedBlocks:
         elements[at] = hidden
         return kind(elements)
 
-    def replay_inner(self, index: int, args: tuple, kwargs: dict, given: dict, found: Callable) -> None:
+    def replay_inner(
+        self, index: int, args: tuple, kwargs: dict, given: dict[Producer, Tensor],
+        found: Callable[[Producer, Tensor], None],
+    ) -> None:
         """Replay the hooked module calls inside block ``index``, which this run skips, with the ``given`` values
         ([Note: values from inside blocks])."""
         calls, io = self.structure.inner_calls.get(index), self.structure.block_io[index]

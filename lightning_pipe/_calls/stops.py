@@ -3,8 +3,6 @@ backbone other than once per step."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from lightning_pipe._errors import BackboneCallError
 
 
@@ -12,7 +10,7 @@ class Stop(BaseException):
     """Ends the user's step early, carrying a value (a ``BaseException``, so ``except Exception`` lets it pass): the
     capture's ``(first block, its hidden state)``, or what a stage sends on."""
 
-    def __init__(self, value: Any) -> None:
+    def __init__(self, value: tuple) -> None:
         super().__init__()
         self.value = value
 

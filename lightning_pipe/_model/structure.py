@@ -48,7 +48,7 @@ log = logging.getLogger(__name__)
 def analyze(
     module: nn.Module,
     backbone: Backbone,
-    step: Callable[..., Any],
+    step: Callable[..., object],
     args: tuple,
     device: torch.device,
     training: bool,
@@ -114,7 +114,7 @@ class _Analysis(BlockCalls):
         self.ghost_params: dict[int, int] = {}
         self.param_names: dict[int, str] = {}
         self.module_names = {id(m): name for name, m in module.named_modules() if name}
-        self.chain: Any = None  # the hidden state the last block call produced
+        self.chain: object = None  # the hidden state the last block call produced (compared by identity)
         self.kept: dict[int, Tensor] = {}  # every ghost (and block output) seen, so that its id is not reused
         self.producers: dict[int, tuple[Producer, int]] = {}  # id(ghost) -> (producer, position)
         self.derived: dict[int, tuple[int, list[int], list[int], str]] = {}  # id -> (position, inputs, params, op)
@@ -169,7 +169,7 @@ class _Analysis(BlockCalls):
             if isinstance(leaf, Ghost) and id(leaf) not in self.producers and id(leaf) not in self.ghost_params:
                 self.producers[self._keep(leaf)] = (("module", path, call, i), self._here())
 
-    def observe(self, func: Any, ghosts: list[Ghost], result: Any) -> None:
+    def observe(self, func: object, ghosts: list[Ghost], result: Any) -> None:
         if self.in_block:
             return
         here = self._here()

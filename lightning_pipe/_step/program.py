@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
-from lightning_pipe._calls.batch import call_muted, slice_batch
+from lightning_pipe._calls.batch import Result, call_muted, slice_batch
 from lightning_pipe._calls.records import HiddenAt, Structure, replace_hidden
 from lightning_pipe._calls.runners import BlockCalls, BlockRunners, never_called
 from lightning_pipe._calls.stops import Stop
@@ -82,7 +82,7 @@ class StepProgram(BlockRunners):
         #: whether the schedule splits the backward into input and weight gradients: the values a stage sends then go
         #: through :class:`_HandOver` (the runtime sets it with the schedule)
         self.hand_over = True
-        self.step: Optional[Callable[..., Any]] = None
+        self.step: Optional[Callable[..., object]] = None
         self.batch: Any = None
         self.batch_size = 0
         self.step_args: tuple = ()
@@ -98,7 +98,7 @@ class StepProgram(BlockRunners):
     # ------------------------------------------------------------------------------------------------ the batch
     @contextmanager
     def holding(
-        self, step: Callable[..., Any], batch: Any, batch_size: int, *args: Any, **kwargs: Any
+        self, step: Callable[..., object], batch: Any, batch_size: int, *args: Any, **kwargs: Any
     ) -> Iterator[None]:
         """The step, batch and extra step arguments that the stage runs inside the block use; nothing here refers to
         them once the block ends (the batch's memory is the loop's to free)."""
@@ -123,7 +123,9 @@ class StepProgram(BlockRunners):
         blocks = self.flow.blocks
         return self.structure.calls_before(blocks.start) if blocks is not None else {}
 
-    def census(self, step: Callable[..., Any], first: int, *args: Any, **kwargs: Any) -> tuple[list[int], set]:
+    def census(
+        self, step: Callable[..., object], first: int, *args: Any, **kwargs: Any
+    ) -> tuple[list[int], set[tuple[str, str, int]]]:
         """A call that starts at block ``first``, run on ghosts with every block skipped: the blocks it calls and
         the ``("module", path, call)`` of each producer module call it makes ([Note: partial passes])."""
         run = _Census(self, first, self.structure.calls_before(first))
@@ -181,7 +183,9 @@ class StepProgram(BlockRunners):
                 return self._kept_if_answering(stage, rows, stop_run.value, probing)
         raise never_called(run)
 
-    def _kept_if_answering(self, stage: int, rows: Tensor, outputs: tuple, probing: bool) -> tuple[Tensor, ...]:
+    def _kept_if_answering(
+        self, stage: int, rows: Tensor, outputs: tuple[Tensor, ...], probing: bool
+    ) -> tuple[Tensor, ...]:
         """What a stage sends on: its outputs, or, on the answer stage of a partial pass that is not the last, the
         row numbers, its outputs being kept for the answer it computes after the pass."""
         flow = self.flow
@@ -202,8 +206,8 @@ class StepProgram(BlockRunners):
         )
 
     def run_answering(
-        self, output: Union[Tensor, tuple[Tensor, ...]], step: Callable[..., Any], *args: Any, **kwargs: Any
-    ) -> Any:
+        self, output: Union[Tensor, tuple[Tensor, ...]], step: Callable[..., Result], *args: Any, **kwargs: Any
+    ) -> Result:
         """The whole step, with the values the code after the backbone reads taken from ``output`` (the last stage's
         output: a tensor, or a tuple of them); returns what the step returns."""
         outputs = output if isinstance(output, tuple) else (output,)
