@@ -292,7 +292,7 @@ def test_a_model_whose_blocks_are_all_it_holds_answers_from_its_ghosts_while_the
 def test_sequence_first_hidden_states_hold_the_rows_in_their_second_dimension():
     """[Note: sequence-first hidden states]: FSMT's and XLNet's blocks take ``[length, batch, width]``; the batch's
     token ids are ``[batch, length]``. Evaluation merges the microbatches' outputs along the rows' dimension."""
-    from lightning_pipe._model.calls import rows_dim
+    from lightning_pipe._calls.batch import rows_dim
     from lightning_pipe._step.pipeline import _merged
 
     batch = {"input_ids": torch.zeros(8, 28, dtype=torch.long), "labels": torch.zeros(8, 14, dtype=torch.long)}
@@ -307,7 +307,7 @@ def test_sequence_first_hidden_states_hold_the_rows_in_their_second_dimension():
 def test_a_microbatch_writes_its_own_copy_of_the_batch_rows():
     """FSMT fills its labels' -100 in place: a microbatch's write must not bump the version of the tensors another
     microbatch's loss saved (a view shares the whole batch's counter)."""
-    from lightning_pipe._model.calls import slice_batch
+    from lightning_pipe._calls.batch import slice_batch
 
     labels = torch.full((4, 3), -100)
     first, second = slice_batch(labels, 4, 0, 2), slice_batch(labels, 4, 2, 4)

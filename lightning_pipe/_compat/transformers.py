@@ -3,7 +3,7 @@
 ``transformers`` (5.x, checked against 5.24) records extra outputs (router logits, attentions, hidden states) with
 forward hooks that ``capture_outputs`` installs lazily, at a model's first forward that records one, on the modules
 that ``named_children`` reaches then, and marks the model done (``_output_capturing_hooks_installed``). While a
-pipelined step runs, the backbone's containers hold runners instead of the blocks (``_model/calls.py``), so a lazy
+pipelined step runs, the backbone's containers hold runners instead of the blocks (``_calls/runners.py``), so a lazy
 install would miss every block and never be retried. :func:`install_output_capturing` does it first, as the
 outermost model's first forward would, before the setup's run of the step, and undoes it when no value leaves a
 block through these hooks (a model that records nothing keeps running without them). ``transformers`` is not a

@@ -33,10 +33,10 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from lightning_pipe._calls.records import Structure
 from lightning_pipe._ghost import Ghost, ghost_of
 from lightning_pipe._lightning.summary import parameter_counts
 from lightning_pipe._model.backbone import Backbone
-from lightning_pipe._model.calls import Structure
 from lightning_pipe._model.emptied import (
     forget_ghost_parameters,
     lend_ghost_dtype,

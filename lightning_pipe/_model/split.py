@@ -20,9 +20,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torchmetrics import Metric
 
+from lightning_pipe._calls.records import Structure
+from lightning_pipe._calls.stops import BackboneNotCalledError
 from lightning_pipe._errors import BackboneCallError
 from lightning_pipe._model.backbone import Backbone, consecutive_candidates, find_backbone
-from lightning_pipe._model.calls import BackboneNotCalledError, Structure
 from lightning_pipe._model.cut import Cut
 from lightning_pipe._model.structure import analyze
 from lightning_pipe.partition import StageLayout

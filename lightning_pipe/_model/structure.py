@@ -30,24 +30,15 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from lightning_pipe import _ghost
+from lightning_pipe._calls.batch import call_muted
+from lightning_pipe._calls.records import BlockIO, HiddenAt, OutputKind, Structure, replace_hidden
+from lightning_pipe._calls.runners import BlockCalls, BlockRunners, Runner, never_called
+from lightning_pipe._calls.stops import SecondPass
 from lightning_pipe._compat.transformers import install_output_capturing
 from lightning_pipe._errors import BackboneCallError
 from lightning_pipe._ghost import Ghost, GhostValueError, ghost_of
 from lightning_pipe._lightning.metrics import metrics_set_aside, module_metrics
 from lightning_pipe._model.backbone import Backbone
-from lightning_pipe._model.calls import (
-    BlockCalls,
-    BlockIO,
-    BlockRunners,
-    HiddenAt,
-    OutputKind,
-    Runner,
-    SecondPass,
-    Structure,
-    call_muted,
-    never_called,
-    replace_hidden,
-)
 from lightning_pipe._model.flow import Producer, Unsendable, block_position, region_position
 from lightning_pipe._model.inner import record_call
 from lightning_pipe._model.untouched import no_ghosts_left
@@ -57,7 +48,7 @@ log = logging.getLogger(__name__)
 def analyze(
     module: nn.Module,
     backbone: Backbone,
-    step: Callable[..., Any],
+    step: Callable[..., object],
     args: tuple,
     device: torch.device,
     training: bool,
@@ -123,7 +114,7 @@ class _Analysis(BlockCalls):
         self.ghost_params: dict[int, int] = {}
         self.param_names: dict[int, str] = {}
         self.module_names = {id(m): name for name, m in module.named_modules() if name}
-        self.chain: Any = None  # the hidden state the last block call produced
+        self.chain: object = None  # the hidden state the last block call produced (compared by identity)
         self.kept: dict[int, Tensor] = {}  # every ghost (and block output) seen, so that its id is not reused
         self.producers: dict[int, tuple[Producer, int]] = {}  # id(ghost) -> (producer, position)
         self.derived: dict[int, tuple[int, list[int], list[int], str]] = {}  # id -> (position, inputs, params, op)
@@ -178,7 +169,7 @@ class _Analysis(BlockCalls):
             if isinstance(leaf, Ghost) and id(leaf) not in self.producers and id(leaf) not in self.ghost_params:
                 self.producers[self._keep(leaf)] = (("module", path, call, i), self._here())
 
-    def observe(self, func: Any, ghosts: list[Ghost], result: Any) -> None:
+    def observe(self, func: object, ghosts: list[Ghost], result: Any) -> None:
         if self.in_block:
             return
         here = self._here()

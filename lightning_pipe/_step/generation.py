@@ -25,7 +25,7 @@ Calls that run only some of the backbone's containers (an encoder-decoder's enco
 passes too: [Note: partial passes] in :mod:`lightning_pipe._step.partial`.
 
 A step is known to generate once its first batch called the backbone a second time: on the last stage that is the
-:class:`~lightning_pipe._model.calls.SecondPass` the single-pass evaluation meets; every rank learns it from the
+:class:`~lightning_pipe._calls.stops.SecondPass` the single-pass evaluation meets; every rank learns it from the
 last stage, the random state is put back, and the batch runs again in lock step. A step whose first model call's
 rows are not the batch's (beam search: each prompt made into its beams before that call) runs in lock step at once
 (:meth:`LockStep.splits_by_rows`). Later batches of that step run in lock step from the start.
@@ -45,10 +45,10 @@ from torch import Tensor, nn
 from torch.utils._pytree import TreeSpec, tree_leaves
 
 from lightning_pipe import _watchdog
+from lightning_pipe._calls.batch import rows_dim, slice_batch
 from lightning_pipe._compat.torch import Swaps
 from lightning_pipe._errors import BackboneCallError
 from lightning_pipe._ghost import GhostValueError, contains_ghost
-from lightning_pipe._model.calls import rows_dim, slice_batch
 from lightning_pipe._step.answers import Failed, describe_answer, rebuild_answer
 from lightning_pipe._step.caches import BlockStates, PassCaches, is_cache
 from lightning_pipe._step.partial import PartialPasses

@@ -5,7 +5,7 @@ then the whole model per token with the encoder's output given (``encoder_output
 blocks only. A model call that runs some of the backbone's containers is a pass too, over every stage:
 
 - **Which blocks.** The call runs on ghosts up to its first block
-  (:meth:`~lightning_pipe._model.calls.BlockRunners.first_call_of`), which must start a container; the first time a
+  (:meth:`~lightning_pipe._calls.runners.BlockRunners.first_call_of`), which must start a container; the first time a
   (module, first block) is met, a *census* runs it on ghosts with every block skipped
   (:meth:`~lightning_pipe._step.program.StepProgram.census`): the blocks it calls (whole containers, in order) and
   the outputs of the modules that produce the values the stages carry ([Note: stage boundaries]). A module's calls

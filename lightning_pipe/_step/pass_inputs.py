@@ -9,9 +9,9 @@ from typing import Any, Optional
 from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 
+from lightning_pipe._calls.batch import slice_batch
 from lightning_pipe._errors import BackboneCallError
 from lightning_pipe._ghost import contains_ghost
-from lightning_pipe._model.calls import slice_batch
 from lightning_pipe._model.flow import Flow
 from lightning_pipe._step.caches import BlockStates, PassCaches, is_cache
 

@@ -15,12 +15,12 @@ the backbone's blocks swapped for runners (:class:`Runner`) that decide what eac
 - **answer** (:meth:`StepProgram.run_answering`, the last stage's loss in training, and evaluation): the same with
   the code after the backbone as the window: every block is skipped, the values the last stage output take their
   producers' places, and the code after the backbone (final norm, head, loss, ``self.log``, metrics) runs for real.
-- **capture** (:meth:`~lightning_pipe._model.calls.BlockRunners.batch_size_of`): the code before the backbone runs on
+- **capture** (:meth:`~lightning_pipe._calls.runners.BlockRunners.batch_size_of`): the code before the backbone runs on
   ghosts until the first block call, whose hidden state gives the batch size.
 
-The runners and the machinery that swaps them in are :mod:`lightning_pipe._model.calls`; what the setup learned about
-each block call (:class:`~lightning_pipe._model.calls.Structure`) tells the runners where the hidden state is and what
-shape of output a skipped block returns.
+The runners and the machinery that swaps them in are :mod:`lightning_pipe._calls.runners`; what the setup learned
+about each block call (:class:`~lightning_pipe._calls.records.Structure`) tells the runners where the hidden state is
+and what shape of output a skipped block returns (:mod:`lightning_pipe._calls.skipped`).
 """
 
 from __future__ import annotations
@@ -35,20 +35,13 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
+from lightning_pipe._calls.batch import Result, call_muted, slice_batch
+from lightning_pipe._calls.records import HiddenAt, Structure, replace_hidden
+from lightning_pipe._calls.runners import BlockCalls, BlockRunners, never_called
+from lightning_pipe._calls.stops import Stop
 from lightning_pipe._errors import BackboneCallError, stop_iteration_fails
 from lightning_pipe._ghost import Ghost, GhostValueError, contains_ghost, ghost_of
 from lightning_pipe._model.backbone import Backbone
-from lightning_pipe._model.calls import (
-    BlockCalls,
-    BlockRunners,
-    HiddenAt,
-    Stop,
-    Structure,
-    call_muted,
-    never_called,
-    replace_hidden,
-    slice_batch,
-)
 from lightning_pipe._model.flow import Flow, Producer
 from lightning_pipe._model.structure import everything_ghosted
 
@@ -89,7 +82,7 @@ class StepProgram(BlockRunners):
         #: whether the schedule splits the backward into input and weight gradients: the values a stage sends then go
         #: through :class:`_HandOver` (the runtime sets it with the schedule)
         self.hand_over = True
-        self.step: Optional[Callable[..., Any]] = None
+        self.step: Optional[Callable[..., object]] = None
         self.batch: Any = None
         self.batch_size = 0
         self.step_args: tuple = ()
@@ -105,7 +98,7 @@ class StepProgram(BlockRunners):
     # ------------------------------------------------------------------------------------------------ the batch
     @contextmanager
     def holding(
-        self, step: Callable[..., Any], batch: Any, batch_size: int, *args: Any, **kwargs: Any
+        self, step: Callable[..., object], batch: Any, batch_size: int, *args: Any, **kwargs: Any
     ) -> Iterator[None]:
         """The step, batch and extra step arguments that the stage runs inside the block use; nothing here refers to
         them once the block ends (the batch's memory is the loop's to free)."""
@@ -130,7 +123,9 @@ class StepProgram(BlockRunners):
         blocks = self.flow.blocks
         return self.structure.calls_before(blocks.start) if blocks is not None else {}
 
-    def census(self, step: Callable[..., Any], first: int, *args: Any, **kwargs: Any) -> tuple[list[int], set]:
+    def census(
+        self, step: Callable[..., object], first: int, *args: Any, **kwargs: Any
+    ) -> tuple[list[int], set[tuple[str, str, int]]]:
         """A call that starts at block ``first``, run on ghosts with every block skipped: the blocks it calls and
         the ``("module", path, call)`` of each producer module call it makes ([Note: partial passes])."""
         run = _Census(self, first, self.structure.calls_before(first))
@@ -188,7 +183,9 @@ class StepProgram(BlockRunners):
                 return self._kept_if_answering(stage, rows, stop_run.value, probing)
         raise never_called(run)
 
-    def _kept_if_answering(self, stage: int, rows: Tensor, outputs: tuple, probing: bool) -> tuple[Tensor, ...]:
+    def _kept_if_answering(
+        self, stage: int, rows: Tensor, outputs: tuple[Tensor, ...], probing: bool
+    ) -> tuple[Tensor, ...]:
         """What a stage sends on: its outputs, or, on the answer stage of a partial pass that is not the last, the
         row numbers, its outputs being kept for the answer it computes after the pass."""
         flow = self.flow
@@ -209,8 +206,8 @@ class StepProgram(BlockRunners):
         )
 
     def run_answering(
-        self, output: Union[Tensor, tuple[Tensor, ...]], step: Callable[..., Any], *args: Any, **kwargs: Any
-    ) -> Any:
+        self, output: Union[Tensor, tuple[Tensor, ...]], step: Callable[..., Result], *args: Any, **kwargs: Any
+    ) -> Result:
         """The whole step, with the values the code after the backbone reads taken from ``output`` (the last stage's
         output: a tensor, or a tuple of them); returns what the step returns."""
         outputs = output if isinstance(output, tuple) else (output,)

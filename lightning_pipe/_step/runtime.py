@@ -43,6 +43,8 @@ from torch import Tensor, nn
 
 from lightning_pipe import _watchdog
 from lightning_pipe import timeline as _timeline
+from lightning_pipe._calls.batch import loss_of
+from lightning_pipe._calls.stops import SecondPass
 from lightning_pipe._compat.torch import fsdp_hooks_suspended
 from lightning_pipe._compiled import compiled_stages, whole_backward_warning
 from lightning_pipe._errors import BackboneCallError, not_computed_by_last_stage
@@ -56,7 +58,6 @@ from lightning_pipe._lightning.metrics import (
     module_metrics,
     per_batch_metrics,
 )
-from lightning_pipe._model.calls import SecondPass, loss_of
 from lightning_pipe._model.cut import Cut
 from lightning_pipe._model.shard import StageSharding
 from lightning_pipe._model.structure import everything_ghosted

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Optional, Union
 
 import torch
 
-from lightning_pipe._model.calls import size_map_of_shapes
+from lightning_pipe._calls.skipped import size_map_of_shapes
 
 if TYPE_CHECKING:
     from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
