@@ -36,7 +36,7 @@ from lightning_pipe import PipelineStrategy
 
 #: (group, path fragments): a function belongs to the first group one of whose fragments its file contains
 GROUPS = [
-    ("block runners", ("lightning_pipe/_calls/", "lightning_pipe/_model/calls.py")),
+    ("block runners", ("lightning_pipe/_calls/",)),
     ("stage program", ("lightning_pipe/_step/program.py", "lightning_pipe/_ghost.py", "lightning_pipe/_model/")),
     ("loss weighting", ("lightning_pipe/_step/loss_weights.py",)),
     ("log collection", ("lightning_pipe/_lightning/log.py", "lightning_pipe/_lightning/metrics.py")),
