@@ -24,6 +24,11 @@ does for linear layers (its ``WeightGradStore``), through torch's own hook for t
   eager backward of ``F.linear`` does, ``grad.T @ input`` over the flattened rows (and ``grad`` summed for the bias),
   in the parameter's dtype, and adds it to ``.grad``.
 
+What waits costs memory, as torch's own split does (it keeps the graph until the weight action): a copy of each linear
+layer's input and output gradient per microbatch whose weight action has not run, copies because the compiled
+backward reuses its buffers once the op returns. A step that fails part-way drops what its unfinished microbatches
+handed over (``StagePipeline._dropped_if_it_fails``).
+
 That is exact: each parameter gets the same terms the unsplit backward computes, the linear layers' own computed by
 the same formula, and a stage's weight actions run in the order of its input actions, so microbatches accumulate in
 the same order. A weight several layers share (tied, pytorch#180952) gets each layer's term; a custom

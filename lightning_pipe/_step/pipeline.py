@@ -304,6 +304,8 @@ class StagePipeline:
             yield
         except BaseException:
             self._schedules.drop(schedule)
+            for deferral in self._deferrals.values():  # weight gradients handed over by the unfinished microbatches
+                deferral.clear()
             raise
 
     def _transfers(self, step: str) -> str:
