@@ -51,7 +51,7 @@ from benchmark import STEADY_MEMORY, make_model, pin  # noqa: E402  (adds exampl
 from llama import load_corpus  # noqa: E402
 
 from lightning_pipe import PipelineStrategy  # noqa: E402
-from lightning_pipe._compat.torch import schedule_stages  # noqa: E402
+from lightning_pipe._compat.pipelining import schedule_stages  # noqa: E402
 from lightning_pipe._step.shapes import MAX_SCHEDULES, ScheduleCache  # noqa: E402
 
 #: Functions whose cumulative time the profiled pair reports: ours, then torch's first-step set-up.

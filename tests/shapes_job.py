@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader, Dataset
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from lightning_pipe import PipelineStrategy
-from lightning_pipe._compat.torch import schedule_stages
+from lightning_pipe._compat.pipelining import schedule_stages
 
 #: The padded length of each batch, in order: 12 distinct lengths, some met again after their schedule was evicted,
 #: some while it is still kept.

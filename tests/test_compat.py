@@ -92,7 +92,7 @@ SIGNATURES = {
     ),
     # _parallel_dims.py: ParallelDims.build passes `backend_override` by keyword
     ("torch.distributed.device_mesh", "DeviceMesh._flatten"): ("self", "mesh_dim_name", "backend_override"),
-    # _compat/torch.py: parallel_styles_recorded swaps it for `recorded(self, module, device_mesh)`
+    # _compat/parallel.py: parallel_styles_recorded swaps it for `recorded(self, module, device_mesh)`
     ("torch.distributed.tensor.parallel.style", "ParallelStyle._apply"): ("self", "module", "device_mesh"),
 }
 

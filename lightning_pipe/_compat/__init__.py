@@ -1,14 +1,14 @@
 """Every use of a private name of Lightning, torch or torchmetrics, and every patch, in one package.
 
-This page is the list; ``torch.py``, ``lightning.py`` and ``torchmetrics.py`` hold the workarounds that do more than
-read a name, and the one-line uses are at their callers.
+This page is the list; ``torch.py``, ``pipelining.py``, ``parallel.py``, ``lightning.py`` and ``torchmetrics.py`` hold
+the workarounds that do more than read a name, and the one-line uses are at their callers.
 
 Each entry says why no public route exists and which versions it was checked against. :data:`PRIVATE_NAMES` lists
 every private name the package uses, these and the few that other modules reach for directly (``nn.Module``'s
 tables, pytree, the ghost tensor's subclass hooks, pruning's amount checks, the strategy's protected members), and
 ``tests/test_compat.py`` checks that each exists. When a supported release moves one of these names, this package is
-the one to change (and the torch range in ``pyproject.toml``). ``_compat.torch`` imports torch only:
-``lightning_pipe.timeline`` imports it without Lightning.
+the one to change (and the torch range in ``pyproject.toml``). ``_compat.torch``, ``.pipelining`` and ``.parallel``
+import torch only: ``lightning_pipe.timeline`` imports them without Lightning.
 
 Lightning (checked against 2.6.6):
 
@@ -131,8 +131,8 @@ torch (checked against 2.13.0, 2.14.1 and 2.15.0; ``pyproject.toml`` pins ``<2.1
   accumulated unsharded gradients by the step's loss weights, which no public hook allows: they do what torch's own
   ``PipelineStage.perform_reduce_grad`` does for an ``FSDPModule`` (the groups' ``post_backward``, then the root's
   final callback), and wrap ``post_backward`` as an instance attribute of each group for the last backward
-  (:func:`.torch.fsdp_reduce_in_backward`). FSDP's forward hooks are taken out while a stage runs on ghosts
-  (:class:`.torch.fsdp_hooks_suspended`: ``nn.Module._forward_pre_hooks``/``_forward_hooks``).
+  (:func:`.parallel.fsdp_reduce_in_backward`). FSDP's forward hooks are taken out while a stage runs on ghosts
+  (:class:`.parallel.fsdp_hooks_suspended`: ``nn.Module._forward_pre_hooks``/``_forward_hooks``).
 
 transformers (checked against 5.3 and 5.24; not a dependency, read only where the user's code imported it):
 
@@ -222,16 +222,16 @@ PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     ("torch.distributed.pipelining.schedules", "_PipelineSchedule._loss_fn"),
     # torch: stages and meshes, tensor parallelism (see the entries above; tests/test_compat.py checks the signatures)
     ("torch.distributed.pipelining", "PipelineStage.backward_maybe_with_nosync"),  # _step/pipeline.py: ReducingStage
-    ("torch.distributed.pipelining._backward", "get_param_groups"),  # .torch.merged_param_groups
-    ("torch.distributed.pipelining.stage", "stage_backward_weight"),  # .torch.weight_gradients_keep_graph
+    ("torch.distributed.pipelining._backward", "get_param_groups"),  # .pipelining.merged_param_groups
+    ("torch.distributed.pipelining.stage", "stage_backward_weight"),  # .pipelining.weight_gradients_keep_graph
     ("torch.distributed.device_mesh", "DeviceMesh._flatten"),  # _parallel_dims.py: ParallelDims.build
-    ("torch.distributed.tensor.parallel.style", "ParallelStyle._apply"),  # _compat/torch.py, _model/tensor_parallel.py
-    # torch: what configure_model asks of fully_shard and checkpoint_wrapper (_compat/torch.py)
+    ("torch.distributed.tensor.parallel.style", "ParallelStyle._apply"),  # .parallel, _model/tensor_parallel.py
+    # torch: what configure_model asks of fully_shard and checkpoint_wrapper (_compat/parallel.py, _compat/torch.py)
     ("torch.distributed._composable.contract", "STATE_KEY"),
     ("torch.distributed._composable.contract", "REGISTRY_KEY"),
     ("torch.distributed.algorithms._checkpoint.checkpoint_wrapper", "CheckpointWrapper"),
     ("torch.distributed.algorithms._checkpoint.checkpoint_wrapper", "ActivationWrapper"),
-    # torch: FSDP2 (_compat/torch.py; see "FSDP2" above)
+    # torch: FSDP2 (_compat/parallel.py; see "FSDP2" above)
     ("torch.distributed.fsdp._fully_shard._fsdp_state", "FSDPState._fsdp_param_group"),
     ("torch.distributed.fsdp._fully_shard._fsdp_state", "FSDPState._fsdp_param_groups"),
     ("torch.distributed.fsdp._fully_shard._fsdp_state", "FSDPState._lazy_init"),
@@ -262,8 +262,8 @@ PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     ("torch.nn", "Module._buffers"),  # _model/cut.py, _model/materialize.py, _model/structure.py
     ("torch.nn", "Module._modules"),  # _model/backbone.py
     ("torch.nn", "Module._non_persistent_buffers_set"),  # _model/cut.py
-    ("torch.nn", "Module._forward_pre_hooks"),  # _compat/torch.py: fsdp_hooks_suspended
-    ("torch.nn", "Module._forward_hooks"),  # _compat/torch.py: fsdp_hooks_suspended
+    ("torch.nn", "Module._forward_pre_hooks"),  # _compat/parallel.py: fsdp_hooks_suspended
+    ("torch.nn", "Module._forward_hooks"),  # _compat/parallel.py: fsdp_hooks_suspended
     ("torch.nn.utils.prune", "_compute_nparams_toprune"),  # _lightning/callbacks.py
     ("torch.nn.utils.prune", "_validate_pruning_amount"),  # _lightning/callbacks.py
     ("torch.nn._reduction", "legacy_get_string"),  # _step/loss_weights.py
@@ -294,5 +294,5 @@ PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
 #: Private names looked up only where the installed release has them (a missing one is a supported release, not a
 #: moved name): counted by the source scan in ``tests/test_compat.py``, not required to exist.
 PRIVATE_NAMES_WHERE_PRESENT: tuple[tuple[str, str], ...] = (
-    ("torch.distributed.pipelining.schedules", "_add_wait_send"),  # torch 2.15: .torch.keep_forward_actions
+    ("torch.distributed.pipelining.schedules", "_add_wait_send"),  # torch 2.15: .pipelining.keep_forward_actions
 )

@@ -8,7 +8,7 @@ and each rank must apply these to its own stage. So, while ``configure_model`` r
 
 - ``parallelize_module`` (every ``ParallelStyle``) records ``(style, module, mesh)`` and splits nothing
   ([Note: tensor-parallel stages] says where the styles apply);
-- ``fully_shard`` records ``(module, kwargs)`` and shards nothing (``_compat.torch.fully_shard_recorded``);
+- ``fully_shard`` records ``(module, kwargs)`` and shards nothing (``_compat.parallel.fully_shard_recorded``);
 - after it, each ``CheckpointWrapper`` child is put back by the module it wraps (the parameter names are the module's
   own again, as ``ModelParallelStrategy``'s state dicts give them), and the blocks it wrapped recompute their
   activations in backward.
@@ -28,7 +28,8 @@ from typing import Optional, Union
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from lightning_pipe._compat.torch import checkpoint_wrappers, fully_shard_recorded, parallel_styles_recorded
+from lightning_pipe._compat.parallel import fully_shard_recorded, parallel_styles_recorded
+from lightning_pipe._compat.torch import checkpoint_wrappers
 from lightning_pipe._model.tensor_parallel import Record
 from lightning_pipe._parallel_dims import sharded_dims
 

@@ -31,7 +31,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from lightning_pipe._compat.torch import ModuleSnapshot
+from lightning_pipe._compat.parallel import ModuleSnapshot
 from lightning_pipe._compiled import compiled
 from lightning_pipe._ghost import Ghost
 from lightning_pipe._model.configure_model import ConfigureModelCalls, sharding_of
@@ -50,7 +50,7 @@ class StageParallelism:
         owner: the strategy whose mesh the stage's DTensors and FSDP units use.
         tensor_parallel: whether modules are split over the tensor ranks.
         sharding: the FSDP units (``StageSharding``) of a sharded stage; ``None`` when replicated.
-        snapshot: the modules as they were before (``_compat.torch.ModuleSnapshot``), so that the module can be made
+        snapshot: the modules as they were before (``_compat.parallel.ModuleSnapshot``), so that the module can be made
             whole after the call ([Note: undoing a stage's parallelization]).
     """
 

@@ -13,7 +13,7 @@ rank (``mesh["data_parallel"]``; with HSDP, over ``data_parallel_shard`` and rep
 - Block units keep FSDP's forward hooks: a block all-gathers before its first forward of a step and, unless
   ``reshard_after_forward=True``, stays unsharded until the step's gradients are reduced (no all-gather per
   microbatch). The strategy suspends the hooks while a stage runs on ghosts to learn its shapes
-  (:class:`~lightning_pipe._compat.torch.fsdp_hooks_suspended`).
+  (:class:`~lightning_pipe._compat.parallel.fsdp_hooks_suspended`).
 - The outside unit is a module that holds those modules and is never called (:class:`OutsideModules`), so FSDP's
   hooks never run for it: the step's own code runs those modules, on ghosts too (on the other stages, and to learn
   the batch size). It is unsharded before each step and resharded after (``_step/sharded.py``).
@@ -40,7 +40,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from lightning_pipe._compat.torch import fsdp_lazy_init, fsdp_sharded_params
+from lightning_pipe._compat.parallel import fsdp_lazy_init, fsdp_sharded_params
 from lightning_pipe._ghost import Ghost
 from lightning_pipe._model.cut import Cut
 from lightning_pipe._model.materialize import Materializer

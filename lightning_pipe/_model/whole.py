@@ -34,7 +34,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from lightning_pipe._compat.torch import fsdp_modules_in, restore_modules
+from lightning_pipe._compat.parallel import fsdp_modules_in, restore_modules
 from lightning_pipe._ghost import Ghost
 
 if TYPE_CHECKING:

@@ -38,7 +38,7 @@ from torch.distributed.pipelining.schedules import (
 from torch.utils._pytree import tree_leaves
 
 from lightning_pipe import _watchdog
-from lightning_pipe._compat.torch import keep_forward_actions, merged_param_groups, weight_gradients_keep_graph
+from lightning_pipe._compat.pipelining import keep_forward_actions, merged_param_groups, weight_gradients_keep_graph
 from lightning_pipe._step.deferred_linear import Deferral, deferred_linears
 from lightning_pipe._step.last_backward import ReductionOverlap
 from lightning_pipe._step.program import StepProgram
@@ -131,7 +131,7 @@ class ReducingStage(PipelineStage):
         if self.deferral is not None:  # torch's `dw_builder` path: always "full", its runner is the weight action
             with self.deferral.collecting():
                 return self._backward_now(backward_type, bwd_kwargs, *args, **kwargs)
-        if backward_type in ("input", "weight"):  # torch's zero-bubble split, corrected (see _compat.torch)
+        if backward_type in ("input", "weight"):  # torch's zero-bubble split, corrected (see _compat.pipelining)
             fix = merged_param_groups() if backward_type == "input" else weight_gradients_keep_graph()
             with fix:
                 return self._backward_now(backward_type, bwd_kwargs, *args, **kwargs)
@@ -410,13 +410,13 @@ class StagePipeline:
             log.debug("pipeline rank %d: falling back to %s: %s", self.pipeline_rank, fallback.__name__, err)
             schedule = _construct(fallback, stages, num_microbatches, loss_fn, multi)
         if not training and self._has_local_hand_over():
-            keep_forward_actions(schedule)  # torch's eval() cannot run these schedules (see _compat.torch)
+            keep_forward_actions(schedule)  # torch's eval() cannot run these schedules (see _compat.pipelining)
         return schedule
 
     def _has_local_hand_over(self) -> bool:
         """Whether some stage feeds the next one on the same process (V placement; any multi-stage schedule on one
         process): torch's ``eval()`` cannot run such a pipeline (see
-        :func:`~lightning_pipe._compat.torch.keep_forward_actions`)."""
+        :func:`~lightning_pipe._compat.pipelining.keep_forward_actions`)."""
         return any(
             self.layout.stage_rank(s) == self.layout.stage_rank(s + 1) for s in range(self.layout.num_stages - 1)
         )

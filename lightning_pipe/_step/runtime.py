@@ -45,7 +45,7 @@ from lightning_pipe import _watchdog
 from lightning_pipe import timeline as _timeline
 from lightning_pipe._calls.batch import loss_of
 from lightning_pipe._calls.stops import SecondPass
-from lightning_pipe._compat.torch import fsdp_hooks_suspended
+from lightning_pipe._compat.parallel import fsdp_hooks_suspended
 from lightning_pipe._compiled import compiled_stages, whole_backward_warning
 from lightning_pipe._errors import BackboneCallError, not_computed_by_last_stage
 from lightning_pipe._fingerprint import SameDataCheck

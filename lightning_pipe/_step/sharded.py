@@ -10,7 +10,7 @@ from collections.abc import Collection
 from dataclasses import fields
 from typing import TYPE_CHECKING, Callable
 
-from lightning_pipe._compat.torch import fsdp_defer_reduction, fsdp_reduce_now, fsdp_scale_unsharded_grads
+from lightning_pipe._compat.parallel import fsdp_defer_reduction, fsdp_reduce_now, fsdp_scale_unsharded_grads
 from lightning_pipe._model.shard import StageSharding
 
 if TYPE_CHECKING:

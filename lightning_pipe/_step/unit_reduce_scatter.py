@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 
 from torch import nn
 
-from lightning_pipe._compat.torch import fsdp_reduce_in_backward, fsdp_sharded_params
+from lightning_pipe._compat.parallel import fsdp_reduce_in_backward, fsdp_sharded_params
 
 if TYPE_CHECKING:
     from lightning_pipe.timeline import TimelineRecorder
@@ -61,7 +61,7 @@ class UnitReduceScatter:
 def _weighted(
     unit: nn.Module, weight: Callable[[], float], recorder: Optional[TimelineRecorder]
 ) -> Callable[[Callable[[float], None]], None]:
-    """``around(reduce)`` for :func:`~lightning_pipe._compat.torch.fsdp_reduce_in_backward`: the unit's reduction
+    """``around(reduce)`` for :func:`~lightning_pipe._compat.parallel.fsdp_reduce_in_backward`: the unit's reduction
     with the step's loss weight, traced."""
     name = type(unit).__name__.removeprefix("FSDP")
 

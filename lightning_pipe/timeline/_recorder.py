@@ -48,7 +48,8 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, ParamSpec, TypeVar, U
 import torch
 import torch.distributed as dist
 
-from lightning_pipe._compat.torch import P2P_POST, P2P_WAIT, SCHEDULE_LOSS_METHOD, Swaps, schedule_stages
+from lightning_pipe._compat.pipelining import P2P_POST, P2P_WAIT, SCHEDULE_LOSS_METHOD, schedule_stages
+from lightning_pipe._compat.torch import Swaps
 from lightning_pipe.timeline._report import _LETTER, Event
 
 if TYPE_CHECKING:
