@@ -180,28 +180,43 @@ def model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, default=0.01)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    model_arguments(p)
+def run_arguments(p: argparse.ArgumentParser, steps: int = 20) -> None:
+    """The microbatches, the steps checked and timed, and where the JSON goes (``gpu_compile.py`` takes them too)."""
     p.add_argument("--num-microbatches", type=int, default=4)
     p.add_argument("--check-steps", type=int, default=4)
     p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--steps", type=int, default=steps)
     p.add_argument("--out", default=None)
-    args = p.parse_args()
+
+
+def run_phases(args: argparse.Namespace, phases: tuple[tuple[str, Any], ...]) -> dict[str, Any]:
+    """Each phase's result by name, after the device, torch and the arguments; a phase that fails is reported and the
+    others run: each is a separate finding."""
     result: dict[str, Any] = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
                               "args": vars(args)}
-    for name, phase in (("exactness", exactness), ("timing", timing)):
+    for name, phase in phases:
         try:
             result[name] = phase(args)
-        except Exception as error:  # report and go on: each phase is a separate finding
+        except Exception as error:
             result[name] = {"error": f"{type(error).__name__}: {error}"}
             print(name, "failed:", result[name]["error"], flush=True)
+    return result
+
+
+def write_result(result: dict[str, Any], out: Any) -> None:
     text = json.dumps(result, indent=2)
     print(text)
-    if args.out:
-        with open(args.out, "w") as f:
+    if out:
+        with open(out, "w") as f:
             f.write(text)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    model_arguments(p)
+    run_arguments(p)
+    args = p.parse_args()
+    write_result(run_phases(args, (("exactness", exactness), ("timing", timing))), args.out)
 
 
 if __name__ == "__main__":

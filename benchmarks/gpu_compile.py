@@ -18,17 +18,15 @@ ranks). The model is the example Llama (``examples/llama.py``). Phases:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from gpu import _median_step, fit, model_arguments, torch_loop
+from gpu import _median_step, fit, model_arguments, run_arguments, run_phases, torch_loop, write_result
 
 
 def exactness(args: argparse.Namespace) -> dict[str, Any]:
@@ -69,27 +67,13 @@ def timing(args: argparse.Namespace) -> dict[str, Any]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     model_arguments(p)
-    p.add_argument("--num-microbatches", type=int, default=4)
-    p.add_argument("--check-steps", type=int, default=4)
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--steps", type=int, default=15)
-    p.add_argument("--out", default=None)
+    run_arguments(p, steps=15)
     args = p.parse_args()
-    result: dict[str, Any] = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "args": vars(args)}
-    for name, phase in (("exactness", exactness), ("timing", timing)):
-        try:
-            result[name] = phase(args)
-        except Exception as error:  # report and go on: each phase is a separate finding
-            result[name] = {"error": f"{type(error).__name__}: {error}"}
-            print(name, "failed:", result[name]["error"], flush=True)
+    result = run_phases(args, (("exactness", exactness), ("timing", timing)))
     from torch._dynamo.utils import counters
 
     result["dynamo"] = {k: dict(v) for k, v in counters.items() if k in ("stats", "graph_break", "recompiles")}
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+    write_result(result, args.out)
 
 
 if __name__ == "__main__":
