@@ -43,7 +43,8 @@ def test_the_stage_keyword_is_not_one_of_step_and_evals_own():
 # ------------------------------------------------------------------------------------------ a step that fails
 class FailingStage(nn.Module):
     """A stage as :class:`StagePipeline` runs it (the input of the stage, ``lp_rows`` the batch rows of the
-    microbatch); its forward raises at call number ``fail_at``."""
+    microbatch); its forward raises at call number ``fail_at``. With a ``target``, the last stage's forward returns the
+    microbatch's loss, as the program's does in training."""
 
     def __init__(self, first: bool) -> None:
         super().__init__()
@@ -51,13 +52,15 @@ class FailingStage(nn.Module):
         self.linear = nn.Linear(WIDTH, WIDTH)
         self.calls = 0
         self.fail_at: int | None = None
+        self.target: torch.Tensor | None = None
 
     def forward(self, *inputs: torch.Tensor, lp_rows: torch.Tensor) -> torch.Tensor:
         self.calls += 1
         if self.calls == self.fail_at:
             raise RuntimeError("stage failed")
         hidden = self.embed(inputs[0]) if self.embed is not None else inputs[0]
-        return torch.tanh(self.linear(hidden))
+        out = torch.tanh(self.linear(hidden))
+        return out if self.target is None else (out - self.target[lp_rows]).pow(2).mean()
 
 
 @pytest.fixture
@@ -94,7 +97,11 @@ def test_a_schedule_whose_step_failed_is_rebuilt(schedule: str, one_process_grou
     def train() -> list[torch.Tensor]:
         for p in params:
             p.grad = None
-        pipeline.train_step(sample, ROWS, MICROBATCHES, lambda out, rows: (out - target[rows]).pow(2).mean())
+        stages[1].target = target
+        try:
+            pipeline.train_step(sample, ROWS, MICROBATCHES)
+        finally:
+            stages[1].target = None
         assert all(p.grad is not None for p in params)
         return [p.grad.clone() for p in params]
 

@@ -15,10 +15,13 @@ from torch import nn
 
 from lightning_pipe._ghost import Ghost
 from lightning_pipe._lightning.callbacks import align_param_groups
+from lightning_pipe._lightning.log import LogRecorder
 from lightning_pipe._lightning.precision import global_grad_norm, pipeline_precision
 from lightning_pipe._model.backbone import find_backbone
 from lightning_pipe._model.cut import Cut
 from lightning_pipe._model.structure import analyze
+from lightning_pipe._step.loss_weights import LossWeighing
+from lightning_pipe._step.microbatch_loss import MicrobatchLoss
 from lightning_pipe._step.program import StepProgram
 from lightning_pipe.partition import make_layout
 
@@ -218,6 +221,41 @@ def test_the_answer_carries_gradients_to_the_stage_output_and_the_head():
     torch.testing.assert_close(out.grad, ref_out.grad)
     torch.testing.assert_close(model.head.weight.grad, reference.head.weight.grad)
     assert model.embed.weight.grad is None and model.blocks[0].lin.weight.grad is None  # only the step after the trunk
+
+
+def test_the_last_stage_of_a_training_step_runs_the_step_once_to_its_weighted_loss():
+    """[Note: the last stage's loss]: the last stage's forward runs the step on to its end and returns the loss the
+    microbatch back-propagates (here weighted by its targets and scaled by ``grad_scale``); the step runs once per
+    stage, and the loss observer watches the code around the blocks, not the blocks."""
+    reference, model, program = two_stages_on_one_rank()
+    modes_in_blocks: list[object] = []
+    for block in model.blocks:
+        block.register_forward_pre_hook(
+            lambda *_: modes_in_blocks.append(torch.overrides._get_current_function_mode())
+        )
+    calls = []
+
+    def step(*args: Any) -> torch.Tensor:
+        calls.append(len(args))
+        return model.training_step(*args)
+
+    x, y = batch()
+    rows = torch.arange(2, 5)
+    weighing = LossWeighing(num_microbatches=2)
+    losses = MicrobatchLoss(model, LogRecorder(), weighing, grad_scale=0.5, overlap=None, amp_scaler=None)
+    with program.holding(step, (x, y), BATCH, 0), program.computing_loss(losses):
+        (first,) = program.run_stage(0, rows)
+        (loss,) = program.run_stage(1, rows, (first,))
+    assert calls == [2, 2] and modes_in_blocks == [None] * 4
+    assert weighing.source == "cross_entropy" and float(weighing.weights[0]) == 3 * SEQ  # the targets it holds
+    expected = reference.training_step((x[2:5], y[2:5]), 0)
+    torch.testing.assert_close(loss, expected * 0.5, rtol=0, atol=0)
+    loss.backward()
+    (expected * 0.5).backward()
+    for name in ("head.weight", "norm.weight", "blocks.3.lin.weight", "blocks.0.lin.weight", "embed.weight"):
+        torch.testing.assert_close(
+            model.get_parameter(name).grad, reference.get_parameter(name).grad, rtol=0, atol=0, msg=name
+        )
 
 
 class _ReadsItsDtype(Net):

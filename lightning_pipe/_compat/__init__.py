@@ -254,6 +254,7 @@ PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     ("lightning.pytorch.utilities.model_summary", "ModelSummary._layer_summary"),  # _lightning/summary.py
     ("torch", "Tensor._make_wrapper_subclass"),  # _ghost.py
     ("torch._C", "_disabled_torch_function_impl"),  # _ghost.py
+    ("torch.overrides", "_get_current_function_mode"),  # .torch.top_function_mode: the loss observer's pause
     ("torch", "ops.aten._local_scalar_dense.default"),  # _ghost.py
     ("torch", "ops.aten._index_put_impl_"),  # _ghost.py: boolean-mask indexing of a ghost
     ("torch", "_foreach_mul_"),  # _step/gradients.py

@@ -1,7 +1,8 @@
 """torch's private names the package needs, and the workarounds that use them (see :mod:`lightning_pipe._compat`):
 process groups (their timeouts, their release at exit, the job's store), reading a DCP checkpoint in one process,
-:class:`Swaps` (every instance-attribute patch), finding ``checkpoint_wrapper``s, and ``trunc_normal_`` leaving ghosts
-alone. The pipelining names are in :mod:`.pipelining`, FSDP2's and tensor parallelism's in :mod:`.parallel`."""
+:class:`Swaps` (every instance-attribute patch), finding ``checkpoint_wrapper``s, ``trunc_normal_`` leaving ghosts
+alone, and the torch function mode on top of the stack. The pipelining names are in :mod:`.pipelining`, FSDP2's and
+tensor parallelism's in :mod:`.parallel`."""
 
 from __future__ import annotations
 
@@ -259,3 +260,9 @@ def ghost_safe_init(swaps: Swaps) -> None:
 
     if "trunc_normal_" not in swaps.names_on(init):
         swaps.wrap(init, "trunc_normal_", leaving_ghosts)
+
+
+def top_function_mode() -> Optional[torch.overrides.TorchFunctionMode]:
+    """The ``TorchFunctionMode`` on top of torch's mode stack (``None``: none is active). torch has no public getter;
+    the loss observer pops itself only when it is on top (``_step/loss_weights.py``: ``MeanObserver.paused``)."""
+    return torch.overrides._get_current_function_mode()

@@ -30,7 +30,8 @@ from __future__ import annotations
 
 import inspect
 import warnings
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
+from contextlib import contextmanager
 from typing import Any, Callable, Optional
 
 import torch
@@ -39,6 +40,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 
+from lightning_pipe._compat.torch import top_function_mode
 from lightning_pipe._ghost import Ghost
 
 #: The key of ``training_step``'s returned dict that gives the count the loss is a mean over.
@@ -72,15 +74,33 @@ class MeanObserver(TorchFunctionMode):
         self._masks: dict[int, Tensor] = {}  # float conversions of boolean or integer tensors
         self._counts: dict[int, Tensor] = {}  # 0-dim sums of such tensors, and what is computed from them alone
         self._selected: dict[int, Tensor] = {}  # the elements a boolean mask selected
+        self._paused = 0
 
     def __torch_function__(
         self, func: Callable[..., Any], types: Collection[type], args: tuple = (), kwargs: Optional[dict] = None
     ) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if isinstance(out, Tensor) and not isinstance(out, Ghost):
+        if not self._paused and isinstance(out, Tensor) and not isinstance(out, Ghost):
             self._note(func, args, kwargs, out)
         return out
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Not watching while a block runs: taken off torch's mode stack when it is on top (blocks then run as without
+        it, compiled ones without a recompile), otherwise passing every call through."""
+        if top_function_mode() is self:
+            self.__exit__(None, None, None)
+            try:
+                yield
+            finally:
+                self.__enter__()
+            return
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
 
     def _note(self, func: Callable[..., object], args: tuple, kwargs: dict, out: Tensor) -> None:
         first = args[0] if args else None

@@ -187,7 +187,6 @@ class StagePipeline:
         self.last_stage_rank = layout.stage_rank(layout.num_stages - 1)
         self._schedules = ScheduleCache(max_schedules)
         self._metas: OrderedDict[tuple, dict[int, tuple[Metas, Metas]]] = OrderedDict()  # see _stage_metas
-        self._loss_fn: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None
         self.overlap: Optional[ReductionOverlap] = None  # reductions in the last backward (set by the runtime)
         #: ``{stage: bytes}`` each local stage but the last sends per microbatch for the latest shape, every tensor its
         #: boundary carries ([Note: stage boundaries]): this rank's own message, ``1 / tensor_parallel_size`` of the
@@ -247,24 +246,20 @@ class StagePipeline:
         sample: Any,
         batch_size: int,
         num_microbatches: int,
-        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         timeline: Optional[TimelineRecorder] = None,
     ) -> None:
         """Forward and backward of one batch of ``batch_size`` rows; gradients accumulate into ``.grad``.
 
-        ``sample`` is microbatch 0 of the batch (its tensors' shapes select the schedule). ``loss_fn(output, rows)``
-        gets the last stage's output of a microbatch and the batch rows it holds. With ``timeline``, the schedule's
-        step is traced into it (:mod:`lightning_pipe.timeline`; a barrier over the pipeline group).
+        ``sample`` is microbatch 0 of the batch (its tensors' shapes select the schedule). The last stage's forward
+        returns each microbatch's loss (``StepProgram.computing_loss``, [Note: the last stage's loss]). With
+        ``timeline``, the schedule's step is traced into it (:mod:`lightning_pipe.timeline`; a barrier over the
+        pipeline group).
         """
         schedule = self._schedule_for(self._key_for(sample, batch_size, num_microbatches, training=True))
         rows = torch.arange(batch_size, device=self.device)
-        self._loss_fn = loss_fn
-        try:
-            traced = timeline.trace(schedule) if timeline is not None else nullcontext()
-            with self._dropped_if_it_fails(schedule), traced, _watchdog.waiting(lambda: self._transfers("training")):
-                schedule.step(*self._first_input(rows), target=rows, lp_rows=rows, return_outputs=False)
-        finally:
-            self._loss_fn = None
+        traced = timeline.trace(schedule) if timeline is not None else nullcontext()
+        with self._dropped_if_it_fails(schedule), traced, _watchdog.waiting(lambda: self._transfers("training")):
+            schedule.step(*self._first_input(rows), target=rows, lp_rows=rows, return_outputs=False)
 
     def eval_step(
         self, sample: Any, batch_size: int, num_microbatches: int, *, rows_dim: int = 0, kind: Optional[tuple] = None
@@ -329,9 +324,10 @@ class StagePipeline:
     def _first_input(self, rows: torch.Tensor) -> tuple:
         return (rows,) if self.has_first_stage else ()
 
-    def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        assert self._loss_fn is not None
-        return self._loss_fn(output, target)
+    @staticmethod
+    def _loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The schedule's loss function: the last stage's forward returned the microbatch's loss."""
+        return output
 
     # ------------------------------------------------------------------ building
     def _key_for(

@@ -11,10 +11,12 @@ the backbone's blocks swapped for runners (:class:`Runner`) that decide what eac
   ids) real. What the previous stage sent takes the place of its producers' outputs (a skipped block's, a
   module's, or what a skipped block's hooks recorded: [Note: values from inside blocks]), so the user's code carries
   each value to where it is used ([Note: stage boundaries]). After the
-  window's last block the step stops, and the values the next stage needs are the stage's output.
-- **answer** (:meth:`StepProgram.run_answering`, the last stage's loss in training, and evaluation): the same with
-  the code after the backbone as the window: every block is skipped, the values the last stage output take their
-  producers' places, and the code after the backbone (final norm, head, loss, ``self.log``, metrics) runs for real.
+  window's last block the step stops, and the values the next stage needs are the stage's output. The last stage
+  of a training step does not stop: its window runs on to the step's end, and the stage's output is the loss
+  ([Note: the last stage's loss]).
+- **answer** (:meth:`StepProgram.run_answering`, evaluation): the same with the code after the backbone as the
+  window: every block is skipped, the values the last stage output take their producers' places, and the code after
+  the backbone (final norm, head, ``self.log``, metrics) runs for real.
 - **capture** (:meth:`~lightning_pipe._calls.runners.BlockRunners.batch_size_of`): the code before the backbone runs on
   ghosts until the first block call, whose hidden state gives the batch size.
 
@@ -27,7 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Callable, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, Union
 
 import torch
 from torch import Tensor, nn
@@ -46,7 +48,24 @@ from lightning_pipe._model.flow import Flow, Producer
 from lightning_pipe._model.structure import everything_ghosted
 
 if TYPE_CHECKING:
+    from contextlib import AbstractContextManager
+
     from torch.autograd.function import FunctionCtx
+
+
+class StageLoss(Protocol):
+    """What the last stage of a training step runs the user's step inside ([Note: the last stage's loss]): the
+    runtime's loss weighting, log recording and loss observation."""
+
+    def around_step(self, rows: Tensor) -> AbstractContextManager[object]:
+        """Entered around one microbatch's step (``rows``: the batch rows it holds)."""
+
+    def around_block(self) -> AbstractContextManager[object]:
+        """Entered around each block the stage runs: what ``around_step`` watches is paused there."""
+
+    def loss(self, result: object, anchor: Optional[Tensor]) -> Tensor:
+        """The loss the microbatch back-propagates, from what the step returned; ``anchor`` (the last block's output,
+        or ``None``) carries an exact zero when the microbatch weighs nothing."""
 
 
 class StepProgram(BlockRunners):
@@ -94,6 +113,8 @@ class StepProgram(BlockRunners):
         #: ``(first row, outputs)`` of each microbatch of the answer stage of a partial pass that is not the last
         #: ([Note: partial passes])
         self.answers_kept: list[tuple[int, tuple[Tensor, ...]]] = []
+        #: within :meth:`computing_loss`: what the last stage's training forward computes its loss with
+        self.stage_loss: Optional[StageLoss] = None
 
     # ------------------------------------------------------------------------------------------------ the batch
     @contextmanager
@@ -118,6 +139,16 @@ class StepProgram(BlockRunners):
             yield
         finally:
             self.flow, self.answers_kept = self.whole_flow, []
+
+    @contextmanager
+    def computing_loss(self, loss: StageLoss) -> Iterator[None]:
+        """Within the block (a training step), the last stage's forward runs the step to its end and returns the
+        microbatch's loss ([Note: the last stage's loss])."""
+        self.stage_loss = loss
+        try:
+            yield
+        finally:
+            self.stage_loss = None
 
     def offsets(self) -> dict[str, int]:
         blocks = self.flow.blocks
@@ -173,6 +204,9 @@ class StepProgram(BlockRunners):
             if first <= blocks.start:
                 swaps = None  # the window starts with the call's code before its first block
             first, stop = max(first, blocks.start), min(stop, blocks.stop)
+        loss = self.stage_loss
+        if loss is not None and blocks is None and stage == len(flow.sends) - 1 and not probing:
+            return (self._run_to_loss(loss, stage, first, rows, given),)
         run = _Window(self, first, stop, given, flow.sends[stage], probing=probing, stage=stage)
         if blocks is not None:
             run.calls(blocks, self.offsets())
@@ -182,6 +216,32 @@ class StepProgram(BlockRunners):
             except Stop as stop_run:
                 return self._kept_if_answering(stage, rows, stop_run.value, probing)
         raise never_called(run)
+
+    def _run_to_loss(
+        self, loss: StageLoss, stage: int, first: int, rows: Tensor, given: dict[Producer, Tensor]
+    ) -> Tensor:
+        """The last stage of a training step: its window runs on to the step's end, once, and the stage's output is
+        the microbatch's loss.
+
+        [Note: the last stage's loss]
+        torch's schedule runs the last stage's forward, then its ``loss_fn`` on that forward's output. Running the
+        user's step as the forward up to the last block and then again, every block skipped, as the loss function
+        would run the code before the backbone twice and walk every block twice per microbatch. Instead the forward
+        runs the step once, to its end, and returns the loss already weighted and scaled (the runtime's
+        :class:`StageLoss`); the schedule's loss function passes it on. The autograd graph is the same: the code
+        after the backbone hangs off the last block's output either way, and torch back-propagates from the loss
+        through the stage's inputs, weights included (the head's weights are the last stage's parameters), so the
+        zero-bubble schedules' input and weight passes split it as before. What the runtime watches in the loss code
+        (``self.log``, the means a loss averages over) is paused while blocks run: a ``TorchFunctionMode`` left
+        active in a block would cost a Python call per operator and recompile compiled blocks.
+        """
+        assert self.step is not None
+        run = _Window(self, first, len(self.backbone), given, (), probing=False, stage=stage, loss=loss)
+        with loss.around_step(rows), self.running(run, swaps=stage), stop_iteration_fails():
+            result = self.step(self.sub_batch(rows), *self.step_args, **self.step_kwargs)
+        if not run.after_backbone:
+            raise never_called(run)
+        return loss.loss(result, run.anchor)
 
     def _kept_if_answering(
         self, stage: int, rows: Tensor, outputs: tuple[Tensor, ...], probing: bool
@@ -236,7 +296,7 @@ class _Window(BlockCalls):
 
     def __init__(
         self, program: StepProgram, first: int, stop: int, given: dict[Producer, Tensor],
-        send: tuple[Producer, ...], probing: bool, stage: Optional[int],
+        send: tuple[Producer, ...], probing: bool, stage: Optional[int], loss: Optional[StageLoss] = None,
     ) -> None:
         super().__init__(program)
         self.first, self.stop = first, stop
@@ -246,6 +306,9 @@ class _Window(BlockCalls):
         self.found: dict[Producer, Tensor] = {}
         self.probing = probing
         self.stage = stage
+        #: the last stage of a training step: the run goes on after the last block ([Note: the last stage's loss])
+        self.loss = loss
+        self.anchor: Optional[Tensor] = None  # then: a tensor of the last block's output that requires grad
 
     def on_block(self, index: int, block: nn.Module, args: tuple, kwargs: dict, at: HiddenAt, hidden: Any) -> Any:
         program = self.program
@@ -265,13 +328,19 @@ class _Window(BlockCalls):
             raise _ghost_argument(program.backbone.blocks[index].name, args, kwargs, self.stage)
         self.in_block = True
         try:
-            out = program.run_block(index, block, args, kwargs)
+            if self.loss is None:
+                out = program.run_block(index, block, args, kwargs)
+            else:
+                with self.loss.around_block():
+                    out = program.run_block(index, block, args, kwargs)
         finally:
             self.in_block = False
         if self.wanted:
             self._collect_block(index, out)
         if index == self.stop - 1:
-            raise Stop(self._outputs())
+            if self.loss is None:
+                raise Stop(self._outputs())
+            self.anchor = next((t for t in tree_leaves(out) if isinstance(t, Tensor) and t.requires_grad), None)
         return out
 
     def on_module_output(self, path: str, call: int, output: Any) -> Any:

@@ -12,9 +12,9 @@ A training batch, from Lightning's loop to the optimizer step:
    ghosts up to the first block call, whose hidden state gives the batch size (``StepProgram.batch_size_of``); the
    microbatch policy (:class:`~lightning_pipe._step.microbatches.MicrobatchPolicy`) fixes the count.
 2. The schedule runs forward and backward over the microbatches (``StagePipeline.train_step``). Each stage runs the
-   user's step on its microbatch's rows, running only its own blocks; on the last stage the loss function runs the
-   whole step with the last block answered by the stage output (``StepProgram.run_answering``) and returns
-   ``loss / (microbatches * accumulate_grad_batches)``: exact under gradient accumulation.
+   user's step on its microbatch's rows, running only its own blocks; the last stage runs the step on to its end
+   and returns the loss, ``loss / (microbatches * accumulate_grad_batches)`` (``MicrobatchLoss``): exact under
+   gradient accumulation.
 3. The gradients the schedule computed are set aside and the earlier ``.grad`` put back (:class:`Gradients`), because
    Lightning calls ``zero_grad`` next; they are averaged over data-parallel replicas and summed over the ranks that
    hold a tied parameter. The last stage's logs are reduced over the microbatches, sent to every rank of the pipeline
@@ -43,7 +43,6 @@ from torch import Tensor, nn
 
 from lightning_pipe import _watchdog
 from lightning_pipe import timeline as _timeline
-from lightning_pipe._calls.batch import loss_of
 from lightning_pipe._calls.stops import SecondPass
 from lightning_pipe._compat.parallel import fsdp_hooks_suspended
 from lightning_pipe._compiled import compiled_stages, whole_backward_warning
@@ -66,7 +65,8 @@ from lightning_pipe._step.auto import Choice, Trial, describe_choice
 from lightning_pipe._step.generation import Generates, LockStep, StepFailed
 from lightning_pipe._step.gradients import Gradients
 from lightning_pipe._step.last_backward import ReductionOverlap
-from lightning_pipe._step.loss_weights import LossWeighing, warn_unweighted, whole
+from lightning_pipe._step.loss_weights import LossWeighing, warn_unweighted
+from lightning_pipe._step.microbatch_loss import MicrobatchLoss
 from lightning_pipe._step.microbatches import MicrobatchPolicy
 from lightning_pipe._step.pipeline import StageModule, StagePipeline
 from lightning_pipe._step.program import StepProgram
@@ -280,35 +280,18 @@ class PipelineRuntime:
         grad_scale = 1.0 / (num_microbatches * module.trainer.accumulate_grad_batches)
         recorder = LogRecorder()
         weighing = LossWeighing(num_microbatches, check_unweighted=not self._mean_warned)
-
-        def microbatch_loss(output: Tensor, rows: Tensor) -> Tensor:
-            recorder.start(len(rows))
-            # A view: zero-bubble schedules detach the stage output in place between the input and the weight
-            # gradients, and the weight gradients of the head after the backbone need what the head saw.
-            output = tuple(t.view_as(t) for t in output) if isinstance(output, tuple) else output.view_as(output)
-            with recorder.installed(module), weighing.observing() as observer:
-                result = program.run_answering(output, step, program.sub_batch(rows), *rest, **kwargs)
-            loss = loss_of(result)
-            weight, factor = weighing.add(result, loss, observer)
-            if self.overlap is not None and len(weighing.losses) == num_microbatches:
-                self.overlap.share_scale(weighing.result()[1])  # the other stages reduce with it as they finish
-            if weight is not None:
-                recorder.weigh_loss(loss, weight)
-            loss = whole(loss)  # a `loss_parallel` loss as the plain tensor every tensor rank holds
-            # A microbatch that weighs nothing back-propagates an exact zero (its mean may be 0 / 0).
-            first = output[0] if isinstance(output, tuple) else output
-            loss = loss * (factor * grad_scale) if factor else first.sum() * 0.0
-            return self.amp_scaler.scale(loss) if self.amp_scaler is not None else loss
-
+        losses = MicrobatchLoss(
+            module, recorder, weighing, grad_scale=grad_scale, overlap=self.overlap, amp_scaler=self.amp_scaler
+        )
         tracer = self.timeline.recorder(module.trainer) if self.timeline is not None else None
         metrics = module_metrics(module) if pipeline.has_last_stage else []  # only the last stage runs the step
-        with program.holding(step, batch, batch_size, *rest, **kwargs):
+        with program.holding(step, batch, batch_size, *rest, **kwargs), program.computing_loss(losses):
             sample = program.sub_batch(torch.arange(batch_size // num_microbatches))
             with per_batch_metrics(metrics, num_microbatches), self.gradients.computed_aside():
                 self._sync_buffers()
                 if self.overlap is not None:
                     self.overlap.start(pipeline.has_last_stage, tracer)
-                pipeline.train_step(sample, batch_size, num_microbatches, microbatch_loss, tracer)
+                pipeline.train_step(sample, batch_size, num_microbatches, tracer)
                 if self.overlap is not None:
                     self.overlap.finish()  # into the step's gradients, before they are set aside
         payload = None
