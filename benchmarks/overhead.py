@@ -1,13 +1,16 @@
 """The runtime's own time per schedule action on one process, and where it goes.
 
 Blocks that cost almost nothing (a 16×16 matrix product each), one process, ``PipelineStrategy`` under 1F1B with
-``--microbatches`` microbatches, against a plain loop doing the same microbatches' forward and backward back to back
-on the same model: the difference, per action (a forward or a backward of one microbatch on one stage), is what the
-strategy adds. Then one run of the strategy under cProfile, each function's own time (callees excluded; a builtin's
-time counted for the function that called it) summed by the part of the package or of torch it belongs to, per
-action: the block runners, the stage program (windows, skipped blocks, hand-over), the loss pass (loss weighting and
-its observer), log collection, the runtime and pipeline around torch's schedule, torch's schedule itself, and the
-rest (the user's code, torch's operators and autograd, Lightning).
+``--microbatches`` microbatches, against two peers on the same model: a plain loop doing the same microbatches'
+forward and backward back to back, and a hand-written ``torch.distributed.pipelining`` loop (the backbone as one
+``PipelineStage``, torch's ``Schedule1F1B`` with the loss as its ``loss_fn``, SGD). The difference, per action (a
+forward or a backward of one microbatch on one stage), is what the strategy adds: over the plain loop, with torch's
+schedule and Lightning's own step counted against it; over the torch loop, without them. Then one run of the
+strategy under cProfile, each function's own time (callees excluded; a builtin's time counted for the function that
+called it) summed by the part of the package or of torch it belongs to, per action: the block runners, the stage
+program (windows, skipped blocks, hand-over), loss weighting and its observer, log collection, the runtime and
+pipeline around torch's schedule, torch's schedule itself, and the rest (the user's code, torch's operators and
+autograd, Lightning).
 
     python benchmarks/overhead.py --out benchmarks/overhead_results.json
 """
@@ -109,6 +112,28 @@ def plain(args: argparse.Namespace) -> float:
     return statistics.median(times[args.warmup:])
 
 
+def torch_loop(args: argparse.Namespace) -> float:
+    """The hand-written torch.distributed.pipelining loop: one stage on this process, torch's 1F1B."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    if not torch.distributed.is_initialized():  # Lightning's later runs find it and keep it
+        torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    torch.manual_seed(0)
+    model = Model(args.blocks, args.dim)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    stage = PipelineStage(model.backbone, 0, 1, torch.device("cpu"))
+    m = args.microbatches
+    schedule = Schedule1F1B(stage, m, loss_fn=lambda out, y: F.mse_loss(out, y) / m, scale_grads=False)
+    times = []
+    for x, y in batches(args):
+        start = time.perf_counter()
+        schedule.step(x, target=y)
+        optimizer.step()
+        optimizer.zero_grad()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[args.warmup:])
+
+
 def strategy(args: argparse.Namespace, profile: cProfile.Profile | None = None) -> float:
     torch.manual_seed(0)
     timer = Timer(args.warmup, profile)
@@ -148,25 +173,30 @@ def main() -> None:
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--rounds", type=int, default=3, help="plain and strategy runs, interleaved; the medians' median")
+    p.add_argument("--rounds", type=int, default=3, help="the three runs, interleaved; the medians' median")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
-    plains, strategies = [], []
+    plains, loops, strategies = [], [], []
     for _ in range(args.rounds):
         plains.append(plain(args))
+        loops.append(torch_loop(args))
         strategies.append(strategy(args))
     actions = 2 * args.microbatches  # one stage: a forward and a backward per microbatch
     extra = [(s - q) / actions * 1e3 for s, q in zip(strategies, plains)]
+    extra_loop = [(s - q) / actions * 1e3 for s, q in zip(strategies, loops)]
     profile = cProfile.Profile()
     strategy(args, profile)
     result = {
         "args": vars(args), "torch": torch.__version__,
         "plain_step_ms": [round(t * 1e3, 3) for t in plains],
+        "torch_loop_step_ms": [round(t * 1e3, 3) for t in loops],
         "strategy_step_ms": [round(t * 1e3, 3) for t in strategies],
         "extra_ms_per_action": [round(e, 3) for e in extra],
         "extra_ms_per_action_median": round(statistics.median(extra), 3),
+        "extra_over_torch_loop_ms_per_action": [round(e, 3) for e in extra_loop],
+        "extra_over_torch_loop_ms_per_action_median": round(statistics.median(extra_loop), 3),
         "profiled_ms_per_action_by_part": breakdown(profile, actions * args.steps),
     }
     text = json.dumps(result, indent=2)
