@@ -65,6 +65,14 @@ class NeverCalls(models.TinyLM):
         return torch.zeros((), requires_grad=True)
 
 
+class ReturnsNone(models.TinyLM):
+    """Raises in the last stage's forward, which torch wraps ("[Stage 0] failed to run forward"): the user gets the
+    strategy's own error."""
+
+    def training_step(self, batch, batch_idx):
+        super().training_step(batch, batch_idx)
+
+
 class FrozenOutside(models.TinyLM):
     def __init__(self) -> None:
         super().__init__()
@@ -88,6 +96,7 @@ class FrozenOutside(models.TinyLM):
          r"needs 2 \* 1 = 2 processes, but the Trainer runs 1"),
         (CallsTwice, {"num_microbatches": 2}, 8, BackboneCallError, "runs each backbone block exactly once per step"),
         (NeverCalls, {}, 8, BackboneCallError, "without calling the pipelined backbone"),
+        (ReturnsNone, {"num_microbatches": 2}, 8, BackboneCallError, "must return the loss tensor.*returned NoneType"),
     ],
 )
 def test_bad_input_is_refused(model, strategy, batch_size, error, match):

@@ -1,6 +1,6 @@
 """torch's private names of ``torch.distributed.pipelining`` the package needs, and the workarounds that use them (see
 :mod:`lightning_pipe._compat`): the names the timeline's recorder wraps, the forward-only schedule surgery, and the
-two corrections of torch's zero-bubble weight pass."""
+two corrections of torch's zero-bubble weight pass, and the exceptions torch wraps."""
 
 from __future__ import annotations
 
@@ -20,6 +20,16 @@ P2P_POST = "_batch_p2p"
 P2P_WAIT = "_wait_batch_p2p"
 #: The schedule method that runs the loss after each forward of the last stage.
 SCHEDULE_LOSS_METHOD = "_maybe_compute_loss"
+
+
+def raised_in_stage(exception: BaseException) -> BaseException:
+    """What a stage's forward raised, where torch's ``PipelineStage.forward_one_chunk`` wrapped it in a
+    ``RuntimeError("[Stage N] failed to run forward: args: ...")`` raised from it; ``exception`` itself otherwise. The
+    wrapper says only which stage: the user's own error (or the strategy's, naming the fix) is the one to raise."""
+    while (type(exception) is RuntimeError and exception.__cause__ is not None
+           and "failed to run forward" in str(exception)):
+        exception = exception.__cause__
+    return exception
 
 
 def keep_forward_actions(schedule: PipelineScheduleMulti) -> None:

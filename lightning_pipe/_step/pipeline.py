@@ -38,7 +38,12 @@ from torch.distributed.pipelining.schedules import (
 from torch.utils._pytree import tree_leaves
 
 from lightning_pipe import _watchdog
-from lightning_pipe._compat.pipelining import keep_forward_actions, merged_param_groups, weight_gradients_keep_graph
+from lightning_pipe._compat.pipelining import (
+    keep_forward_actions,
+    merged_param_groups,
+    raised_in_stage,
+    weight_gradients_keep_graph,
+)
 from lightning_pipe._step.deferred_linear import Deferral, deferred_linears
 from lightning_pipe._step.last_backward import ReductionOverlap
 from lightning_pipe._step.program import StepProgram
@@ -297,11 +302,14 @@ class StagePipeline:
         """
         try:
             yield
-        except BaseException:
+        except BaseException as err:
             self._schedules.drop(schedule)
             for deferral in self._deferrals.values():  # weight gradients handed over by the unfinished microbatches
                 deferral.clear()
-            raise
+            raised = raised_in_stage(err)  # the step's own error, not torch's wrapper of it
+            if raised is err:
+                raise
+            raise raised from raised.__cause__
 
     def _transfers(self, step: str) -> str:
         """What this rank waits for inside a schedule step, for the watchdog's stall report."""

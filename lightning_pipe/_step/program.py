@@ -205,7 +205,9 @@ class StepProgram(BlockRunners):
                 swaps = None  # the window starts with the call's code before its first block
             first, stop = max(first, blocks.start), min(stop, blocks.stop)
         loss = self.stage_loss
-        if loss is not None and blocks is None and stage == len(flow.sends) - 1 and not probing:
+        if loss is not None and blocks is None and stage == len(flow.sends) - 1 and not probing and (
+            self.probing_shapes is None  # a probe that runs for real (tensor-parallel blocks) learns shapes only
+        ):
             return (self._run_to_loss(loss, stage, first, rows, given),)
         run = _Window(self, first, stop, given, flow.sends[stage], probing=probing, stage=stage)
         if blocks is not None:
