@@ -70,6 +70,26 @@ class SharedAndCustom(models.TinyLM):
         self.backbone[4].mlp[2].weight = self.backbone[1].mlp[2].weight
 
 
+class Conv1DBlock(models.Block):
+    """GPT-2's layers: the attention's projections and the MLP are Hugging Face ``Conv1D`` (``x @ weight + bias``,
+    the weight stored ``(in, out)``)."""
+
+    def __init__(self) -> None:
+        from transformers.pytorch_utils import Conv1D
+
+        super().__init__()
+        d = models.DIM
+        self.qkv, self.proj = Conv1D(3 * d, d), Conv1D(d, d)
+        self.mlp = nn.Sequential(Conv1D(2 * d, d), nn.GELU(), Conv1D(d, 2 * d))
+
+
+class GPT2Like(models.TinyLM):
+    def __init__(self) -> None:
+        super().__init__()
+        for i in range(1, 5):
+            self.backbone[i] = Conv1DBlock()
+
+
 def _fitted(model: type, strategy: Any) -> tuple[list[float], dict[str, torch.Tensor]]:
     torch.manual_seed(0)
     losses, state = fit_one_process(model(), strategy, models.loader(n=16, batch_size=4), max_steps=2,
@@ -125,6 +145,29 @@ def test_compiled_blocks_train_exactly(schedule, monkeypatch):
 def test_blocks_the_user_compiled_train_exactly_under_a_split_backward(monkeypatch):
     """Blocks compiled in ``configure_model`` (``block.compile()``) are recognised, with the same result."""
     _check(UserCompiled, False, "InterleavedZeroBubble", models.TinyLM, monkeypatch)
+
+
+def test_conv1d_layers_defer_their_weight_gradients_exactly(monkeypatch):
+    """Hugging Face ``Conv1D`` layers (GPT-2's) in compiled blocks under a schedule that splits the backward: every
+    one of their weights and biases gets its gradient in the weight actions, and the run equals one eager device's."""
+    from transformers.pytorch_utils import Conv1D
+
+    swapped: set[int] = set()
+    deferred: set[int] = set()
+    deferred_class, accumulate = deferred_linear._deferred_class, deferred_linear._accumulate
+
+    def recorded(layer: nn.Module) -> type:
+        if isinstance(layer, Conv1D):
+            swapped.update(id(p) for p in layer.parameters())
+        return deferred_class(layer)
+
+    monkeypatch.setattr(deferred_linear, "_deferred_class", recorded)
+    monkeypatch.setattr(deferred_linear, "_accumulate", lambda p, g: (deferred.add(id(p)), accumulate(p, g))[1])
+    torch.compiler.reset()
+    want = _fitted(GPT2Like, "auto")
+    got = _fitted(GPT2Like, PipelineStrategy(num_microbatches=2, schedule="ZBVZeroBubble", compile=AOT_EAGER))
+    assert len(swapped) == 4 * 8 and swapped <= deferred  # 4 layers of weight and bias in each of the 4 blocks
+    _assert_same(got, want)
 
 
 def test_lengths_that_change_compile_once_more_and_stay_exact():

@@ -18,6 +18,9 @@ does for linear layers (its ``WeightGradStore``), through torch's own hook for t
   ``lightning_pipe::linear_input_grad``, which also hands ``(input, grad)`` to the stage's :class:`Deferral`, and
   returns no gradient for the weight and the bias. Opaque ops are neither duplicated nor removed by the compiler,
   and the input gradient is used, so the hand-over happens exactly once per backward.
+- So does each of Hugging Face's ``Conv1D`` layers (GPT-2's ``x @ weight + bias``, the weight stored ``(in, out)``;
+  its class becomes a deferring subclass of its own): it passes the op its weight transposed, a view, and its weight
+  gradient is computed as ``input.T @ grad``, the formula of the eager backward of the ``addmm`` ``Conv1D`` runs.
 - The input action runs the stage's whole backward with ``retain_graph=False`` (torch's ``dw_builder`` path): every
   gradient but the linear layers' weights and biases is computed there, and the compiled graph is freed.
 - The weight action (``dw_builder``'s runner, in torch's order) computes each handed-over weight gradient as the
@@ -52,13 +55,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-#: A layer's weight and bias (``None`` without one), whose gradients a hand-over carries.
-Owners = tuple[nn.Parameter, Optional[nn.Parameter]]
+#: A layer's weight and bias (``None`` without one), whose gradients a hand-over carries, and whether the weight is
+#: stored ``(in, out)``.
+Owners = tuple[nn.Parameter, Optional[nn.Parameter], bool]
 
 #: The parameters of the swapped layers, by address: a call hands its layer's parameters over as tensors (the compiled
 #: graph passes them through as inputs, so all blocks of a class share one graph), and the weight action finds the
-#: parameter by the address of what it was handed.
-_PARAMS: dict[int, nn.Parameter] = {}
+#: parameter by the address of what it was handed; with whether it is stored ``(in, out)`` (``Conv1D``'s weight).
+_PARAMS: dict[int, tuple[nn.Parameter, bool]] = {}
 #: The deferral collecting now, if any: a process runs one backward at a time, and autograd runs a CUDA backward on a
 #: thread of its own, so this is not thread-local.
 _ACTIVE: list[Deferral] = []
@@ -122,24 +126,70 @@ class DeferredLinear(nn.Linear):
         return torch.ops.lightning_pipe.deferred_linear(input, weight, bias, weight_param, bias_param)
 
 
+class _DeferredConv1D:
+    """Forward of Hugging Face's ``Conv1D`` (``transformers.pytorch_utils``) whose weight and bias gradients wait for
+    the weight action; mixed into a subclass of the layer's own class (:func:`_deferred_class`)."""
+
+    _lp_class: type[nn.Module]
+    weight: nn.Parameter
+    bias: Optional[nn.Parameter]
+    nf: int
+
+    def forward(self, x: Tensor) -> Tensor:
+        weight_param, bias_param = weight, bias = self.weight, self.bias
+        if not (torch.is_grad_enabled() and x.requires_grad and weight.requires_grad
+                and (bias is None or bias.requires_grad)):
+            return self._lp_class.forward(self, x)  # type: ignore[arg-type]
+        device = x.device.type
+        if torch.is_autocast_enabled(device):  # as autocast casts `torch.addmm`'s arguments
+            dtype = torch.get_autocast_dtype(device)
+            x, weight = x.to(dtype), weight.to(dtype)
+            bias = bias.to(dtype) if bias is not None else None
+        rows = x.reshape(-1, x.shape[-1])
+        out = torch.ops.lightning_pipe.deferred_linear(rows, weight.t(), bias, weight_param, bias_param)
+        return out.view(*x.shape[:-1], self.nf)
+
+
+_CONV1D_CLASSES: dict[type, type] = {}
+
+
+def _is_conv1d(layer: nn.Module) -> bool:
+    cls = type(layer)
+    return cls.__name__ == "Conv1D" and cls.__module__.startswith("transformers") and hasattr(layer, "nf")
+
+
+def _deferred_class(layer: nn.Module) -> type:
+    if type(layer) is nn.Linear:
+        return DeferredLinear
+    cls = type(layer)
+    if cls not in _CONV1D_CLASSES:
+        _CONV1D_CLASSES[cls] = type(f"Deferred{cls.__name__}", (_DeferredConv1D, cls), {})
+    return _CONV1D_CLASSES[cls]
+
+
 def _deferrable(layer: nn.Module) -> bool:
-    return (type(layer) is nn.Linear and layer.weight.requires_grad and not isinstance(layer.weight, DTensor)
-            and (layer.bias is None or layer.bias.requires_grad))
+    if type(layer) is not nn.Linear and not _is_conv1d(layer):
+        return False
+    weight, bias = layer.weight, layer.bias
+    return (isinstance(weight, nn.Parameter) and weight.requires_grad and not isinstance(weight, DTensor)
+            and (bias is None or bias.requires_grad))
 
 
 @contextmanager
 def deferred_linears(blocks: Iterable[nn.Module]) -> Iterator[int]:
-    """Inside, the plain ``nn.Linear`` layers of ``blocks`` that can defer their weight gradients are
-    :class:`DeferredLinear`; yields how many."""
-    swapped: list[nn.Linear] = []
+    """Inside, the plain ``nn.Linear`` layers (and Hugging Face ``Conv1D`` layers) of ``blocks`` that can defer their
+    weight gradients are :class:`DeferredLinear` (a deferring subclass of their class); yields how many."""
+    swapped: list[nn.Module] = []
     for block in blocks:
         for layer in block.modules():
             if _deferrable(layer):
-                for param in (layer.weight, layer.bias):
-                    if param is not None:
-                        _PARAMS[param.data_ptr()] = param
+                transposed = _is_conv1d(layer)
+                _PARAMS[layer.weight.data_ptr()] = (layer.weight, transposed)
+                if layer.bias is not None:
+                    _PARAMS[layer.bias.data_ptr()] = (layer.bias, False)
+                deferred = _deferred_class(layer)
                 layer._lp_class = type(layer)  # type: ignore[assignment]
-                layer.__class__ = DeferredLinear
+                layer.__class__ = deferred
                 swapped.append(layer)
     try:
         yield len(swapped)
@@ -181,14 +231,15 @@ class Deferral:
 
 
 def _hand_over(x: Tensor, grad: Tensor, weight: Tensor, bias: Optional[Tensor]) -> None:
-    owners = (_owner(weight), _owner(bias) if bias is not None else None)
+    weight_param, transposed = _owner(weight)
+    owners = (weight_param, _owner(bias)[0] if bias is not None else None, transposed)
     if not _ACTIVE:  # a backward outside a stage's input action: nothing waits
         _apply([(owners, x, grad)])
     else:  # copies: the compiled backward reuses its buffers once the op returns
         _ACTIVE[-1].take(owners, x.detach().clone(), grad.detach().clone())
 
 
-def _owner(tensor: Tensor) -> nn.Parameter:
+def _owner(tensor: Tensor) -> tuple[nn.Parameter, bool]:
     param = _PARAMS.get(tensor.data_ptr())
     if param is None:
         raise RuntimeError(
@@ -199,10 +250,11 @@ def _owner(tensor: Tensor) -> nn.Parameter:
 
 
 def _apply(collected: list[tuple[Owners, Tensor, Tensor]]) -> None:
-    """The weight and bias gradients of ``F.linear``'s eager backward, added to ``.grad`` in the order handed over."""
-    for (weight, bias), x, grad in collected:
-        rows = grad.reshape(-1, grad.shape[-1])
-        _accumulate(weight, rows.t().mm(x.reshape(-1, x.shape[-1])))
+    """The weight and bias gradients of ``F.linear``'s eager backward (of ``addmm``'s for a weight stored ``(in,
+    out)``), added to ``.grad`` in the order handed over."""
+    for (weight, bias, transposed), x, grad in collected:
+        rows, inputs = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
+        _accumulate(weight, inputs.t().mm(rows) if transposed else rows.t().mm(inputs))
         if bias is not None:
             _accumulate(bias, rows.sum(0))
 
