@@ -13,7 +13,7 @@ from lightning.pytorch.callbacks import BaseFinetuning
 from lightning.pytorch.plugins.precision import Precision
 from torch import nn
 
-from lightning_pipe._ghost import Ghost
+from lightning_pipe._ghost import Ghost, ghost_of
 from lightning_pipe._lightning.callbacks import align_param_groups
 from lightning_pipe._lightning.log import LogRecorder
 from lightning_pipe._lightning.precision import global_grad_norm, pipeline_precision
@@ -400,6 +400,39 @@ def test_ghosts_of_moe_experts_multiply_in_fp32():
     assert isinstance(out, Ghost) and out.shape == real.shape and out.dtype == real.dtype == torch.float32
     half = F.grouped_mm(ghost_of(a.bfloat16()), w.bfloat16(), offs=offs)
     assert isinstance(half, Ghost) and half.dtype == torch.bfloat16 and half.shape == real.shape
+
+
+def test_a_ghost_operation_met_again_takes_its_result_from_the_shapes_alone():
+    """[Note: ghost results by shape]: the second run of an operation with the same shapes does not run the meta
+    kernel, and its ghosts have what the kernel gives (shape, strides, offset, dtype); an in-place operation still
+    returns its own argument, and another shape runs the kernel again."""
+    from lightning_pipe import _ghost
+
+    real, table = torch.randn(4, 6, 8), torch.randn(6, 8, dtype=torch.float64)
+
+    def ops(x: torch.Tensor) -> list[torch.Tensor]:
+        return [x + table, x[:, 1:, ::2], x.float().softmax(-1), *x.split(3, dim=1), torch.cat([x, x], dim=-1)]
+
+    _ghost._RESULTS.clear()
+    first = ops(ghost_of(real))
+    kept = len(_ghost._RESULTS)
+    assert kept >= 5
+    calls = []
+    original = _ghost._remember
+    _ghost._remember = lambda *args: (calls.append(args[0]), original(*args))
+    try:
+        again = ops(ghost_of(real))
+        assert calls == [] and len(_ghost._RESULTS) == kept  # every result from the kept descriptions
+        other = ops(ghost_of(torch.randn(2, 6, 8)))
+        assert len(calls) >= 5
+    finally:
+        _ghost._remember = original
+    for a, b, want in zip(first, again, ops(real)):
+        assert isinstance(b, Ghost) and b.shape == a.shape == want.shape and b.dtype == a.dtype == want.dtype
+        assert b.stride() == a.stride() and b.storage_offset() == a.storage_offset()
+    assert other[0].shape == (2, 6, 8)
+    ghost = ghost_of(real)
+    assert ghost.mul_(2) is ghost and ghost.mul_(2) is ghost  # in place: its argument, every time
 
 
 def test_ghosts_indexed_by_a_mask_of_the_batch_take_its_shape():

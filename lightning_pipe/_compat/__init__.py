@@ -122,6 +122,10 @@ torch (checked against 2.13.0, 2.14.1 and 2.15.0; ``pyproject.toml`` pins ``<2.1
 - ``torch.nn.init.trunc_normal_`` (public, but patched): swapped from a strategy's ``setup`` to its ``teardown`` for a
   wrapper that leaves ghosts alone (:func:`.torch.ghost_safe_init`); torch 2.13 redraws by rejection, reading
   ``mask.any()``, and the function has no ``__torch_function__`` override point.
+- ``torch._ops.OpOverload`` and its ``_schema`` (``is_mutable``): a ghost operation's result is kept by its
+  arguments' shapes only for aten operations that mutate nothing (``_ghost.py``, [Note: ghost results by shape]);
+  ``torch.overrides._get_current_function_mode``: the loss observer takes itself off the mode stack while blocks run
+  only when it is on top (:func:`.torch.top_function_mode`). Neither has a public equivalent.
 
 - FSDP2 (checked against 2.13): ``fully_shard.state(module)`` and the state's ``_fsdp_param_group(s)``,
   ``_lazy_init`` and ``_root_post_backward_final_callback``; ``FSDPParamGroup.fsdp_params`` and ``post_backward``;
@@ -255,6 +259,8 @@ PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     ("torch", "Tensor._make_wrapper_subclass"),  # _ghost.py
     ("torch._C", "_disabled_torch_function_impl"),  # _ghost.py
     ("torch.overrides", "_get_current_function_mode"),  # .torch.top_function_mode: the loss observer's pause
+    ("torch._ops", "OpOverload"),  # _ghost.py: which ghost operations' results are kept by shape
+    ("torch._ops", "OpOverload._schema"),  # _ghost.py: in-place and `out=` operations are not kept
     ("torch", "ops.aten._local_scalar_dense.default"),  # _ghost.py
     ("torch", "ops.aten._index_put_impl_"),  # _ghost.py: boolean-mask indexing of a ghost
     ("torch", "_foreach_mul_"),  # _step/gradients.py
