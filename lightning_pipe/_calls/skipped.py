@@ -87,7 +87,7 @@ class SkippedBlocks:
                 else:
                     value = Ghost(torch.empty(shape, dtype=leaf.dtype, device="meta"), self.device)
             leaves.append(leaf if value is None else value)
-        return tree_unflatten(leaves, io.out_spec)
+        return leaves[0] if io.out_spec.is_leaf() else tree_unflatten(leaves, io.out_spec)
 
 
 def _shapes_when_skipped(io: BlockIO, shapes: list[tuple[int, ...]]) -> list[Optional[tuple[int, ...]]]:

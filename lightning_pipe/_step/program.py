@@ -305,6 +305,7 @@ class _Window(BlockCalls):
         self.given = given
         self.send = send
         self.wanted = set(send)
+        self.wanted_blocks = {producer[1] for producer in send if producer[0] == "block"}  # blocks whose output is sent
         self.found: dict[Producer, Tensor] = {}
         self.probing = probing
         self.stage = stage
@@ -316,7 +317,7 @@ class _Window(BlockCalls):
         program = self.program
         if index < self.first:
             out = program.skipped_output(index, args, kwargs, hidden, self.given)
-            if self.wanted:
+            if index in self.wanted_blocks:
                 self._collect_block(index, out)
             program.replay_inner(index, args, kwargs, self.given, self.on_inner_value)
             if index == self.first - 1 and self.restore_prefix is not None:
@@ -337,7 +338,7 @@ class _Window(BlockCalls):
                     out = program.run_block(index, block, args, kwargs)
         finally:
             self.in_block = False
-        if self.wanted:
+        if index in self.wanted_blocks:
             self._collect_block(index, out)
         if index == self.stop - 1:
             if self.loss is None:
