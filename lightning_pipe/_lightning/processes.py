@@ -19,7 +19,6 @@ from lightning.pytorch.strategies.launchers.subprocess_script import _Subprocess
 
 from lightning_pipe import _watchdog
 from lightning_pipe._compat.lightning import init_process_group
-from lightning_pipe._compat.pipelining import raised_in_stage
 from lightning_pipe._compat.torch import job_store
 
 if TYPE_CHECKING:
@@ -52,7 +51,6 @@ def record_failure(exception: BaseException, rank: int) -> Optional[float]:
     if store is None:
         return None
     when = time.time()
-    exception = raised_in_stage(exception)
     text = "".join(traceback.format_exception_only(type(exception), exception)).strip()
     try:
         store.set(f"{FAILED_KEY}{rank}", json.dumps({"time": when, "error": text[-2000:]}))
