@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import json
 import os
 import pstats
 import statistics
@@ -34,6 +33,8 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from gpu import write_result  # the JSON printed and written, as the GPU benchmarks do
 
 from lightning_pipe import PipelineStrategy
 
@@ -199,11 +200,7 @@ def main() -> None:
         "extra_over_torch_loop_ms_per_action_median": round(statistics.median(extra_loop), 3),
         "profiled_ms_per_action_by_part": breakdown(profile, actions * args.steps),
     }
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    write_result(result, args.out)
 
 
 if __name__ == "__main__":

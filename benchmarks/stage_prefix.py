@@ -14,7 +14,6 @@ computes for real) and every earlier block skipped. A Hugging Face-like step doe
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -26,6 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from gpu import write_result  # the JSON printed and written, as the GPU benchmarks do
 
 from lightning_pipe import _ghost
 from lightning_pipe._model.backbone import find_backbone
@@ -109,11 +110,7 @@ def main() -> None:
         "us_per_run": {k: [round(v, 1) for v in vs] for k, vs in results.items()},
         "us_per_run_median": {k: round(statistics.median(vs), 1) for k, vs in results.items()},
     }
-    text = json.dumps(out, indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    write_result(out, args.out)
 
 
 if __name__ == "__main__":
