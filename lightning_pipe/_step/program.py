@@ -61,7 +61,7 @@ class StageLoss(Protocol):
         """Entered around one microbatch's step (``rows``: the batch rows it holds)."""
 
     def around_block(self) -> AbstractContextManager[object]:
-        """Entered around each block the stage runs: what ``around_step`` watches is paused there."""
+        """Entered around each block call of the stage, run or skipped: what ``around_step`` watches is paused there."""
 
     def loss(self, result: object, anchor: Optional[Tensor]) -> Tensor:
         """The loss the microbatch back-propagates, from what the step returned; ``anchor`` (the last block's output,
@@ -234,13 +234,16 @@ class StepProgram(BlockRunners):
         after the backbone hangs off the last block's output either way, and torch back-propagates from the loss
         through the stage's inputs, weights included (the head's weights are the last stage's parameters), so the
         zero-bubble schedules' input and weight passes split it as before. What the runtime watches in the loss code
-        (``self.log``, the means a loss averages over) is paused while blocks run: a ``TorchFunctionMode`` left
-        active in a block would cost a Python call per operator and recompile compiled blocks.
+        (``self.log``, the means a loss averages over) is paused while a block is called, run or skipped: a
+        ``TorchFunctionMode`` left active in a block would cost a Python call per operator (every tensor attribute the
+        runtime reads for a skipped block included) and recompile compiled blocks. The microbatch's rows are sliced
+        before it starts, for the same reason.
         """
         assert self.step is not None
         run = _Window(self, first, len(self.backbone), given, (), probing=False, stage=stage, loss=loss)
-        with loss.around_step(rows), self.running(run, swaps=stage), stop_iteration_fails():
-            result = self.step(self.sub_batch(rows), *self.step_args, **self.step_kwargs)
+        batch = self.sub_batch(rows)  # before the loss observer: slicing the batch is the runtime's, not the loss's
+        with self.running(run, swaps=stage), stop_iteration_fails(), loss.around_step(rows):
+            result = self.step(batch, *self.step_args, **self.step_kwargs)
         if not run.after_backbone:
             raise never_called(run)
         return loss.loss(result, run.anchor)
@@ -313,6 +316,12 @@ class _Window(BlockCalls):
         self.loss = loss
         self.anchor: Optional[Tensor] = None  # then: a tensor of the last block's output that requires grad
 
+    def call_block(self, index: int, block: nn.Module, args: tuple, kwargs: dict) -> Any:
+        if self.loss is None:
+            return super().call_block(index, block, args, kwargs)
+        with self.loss.around_block():  # the runtime's code and the blocks are not the loss code the observer watches
+            return super().call_block(index, block, args, kwargs)
+
     def on_block(self, index: int, block: nn.Module, args: tuple, kwargs: dict, at: HiddenAt, hidden: Any) -> Any:
         program = self.program
         if index < self.first:
@@ -331,11 +340,7 @@ class _Window(BlockCalls):
             raise _ghost_argument(program.backbone.blocks[index].name, args, kwargs, self.stage)
         self.in_block = True
         try:
-            if self.loss is None:
-                out = program.run_block(index, block, args, kwargs)
-            else:
-                with self.loss.around_block():
-                    out = program.run_block(index, block, args, kwargs)
+            out = program.run_block(index, block, args, kwargs)
         finally:
             self.in_block = False
         if index in self.wanted_blocks:
