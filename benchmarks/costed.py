@@ -11,8 +11,14 @@ strategy places them), torch's schedule class, SGD, on ``--pp`` processes (``tor
 ``PipelineStrategy(schedule=...)`` on the same blocks, split and batches. Median step time after warm-up, and (b)/(a)
 as speed. Results go to ``benchmarks/costed_results.json``.
 
+``--actions`` also times, in both variants, every stage action torch's schedule runs (``F`` forward, ``B`` backward
+or input gradient, ``W`` weight gradient) and the step's *tail*: from the end of a step's last action on any rank to
+rank 0's start of the next step, where the optimizer, Lightning's loop and the strategy's own per-step work run.
+With 10 ms blocks, what an action takes beyond 10 ms per block is the code around it.
+
     python benchmarks/costed.py                                   # pp4, m=8, 10 ms each, every schedule
     python benchmarks/costed.py --schedules 1F1B --steps 5        # a quick look
+    python benchmarks/costed.py --actions                         # and where the difference is
 """
 
 from __future__ import annotations
@@ -125,6 +131,61 @@ def _num_stages(name: str, pp: int) -> int:
     return 2 * pp if SCHEDULES[name].multi_stage else pp
 
 
+class _ActionTimes:
+    """``--actions``: the start and end of every schedule step and stage action on this rank (torch's
+    ``forward_one_chunk``, ``backward_one_chunk``, ``backward_weight_one_chunk``), in both variants alike, to
+    ``<out>.actions<rank>``. One clock for every process (``time.perf_counter``: the system's monotonic clock)."""
+
+    KINDS = {"forward_one_chunk": "F", "backward_one_chunk": "B", "backward_weight_one_chunk": "W"}
+
+    def __init__(self) -> None:
+        from torch.distributed.pipelining import schedules, stage
+
+        self.records: list[tuple[str, float, float]] = []
+        for name, kind in self.KINDS.items():
+            self._wrap(stage._PipelineStageBase, name, kind)
+        for cls in (schedules.PipelineScheduleSingle, schedules.PipelineScheduleMulti):
+            self._wrap(cls, "step", "step")
+
+    def _wrap(self, cls: type, name: str, kind: str) -> None:
+        original, records = getattr(cls, name), self.records
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                records.append((kind, start, time.perf_counter()))
+
+        setattr(cls, name, timed)
+
+    def dump(self, out: str, rank: int) -> None:
+        with open(f"{out}.actions{rank}", "w") as f:
+            json.dump(self.records, f)
+
+
+def _action_summary(out: str, pp: int, warmup: int) -> dict[str, float]:
+    """Median ms of each action kind over every rank's timed steps, and of the tail: from the end of a step's last
+    action anywhere to rank 0's start of the next step (the step's own work outside torch's schedule: the optimizer,
+    Lightning's loop, the strategy's logs and batch set-up)."""
+    ranks = []
+    for rank in range(pp):
+        with open(f"{out}.actions{rank}") as f:
+            ranks.append(json.load(f))
+    steps = [[(a, b) for kind, a, b in records if kind == "step"] for records in ranks]
+    timed_from = [s[warmup][0] for s in steps]
+    summary = {}
+    for kind in ("F", "B", "W"):
+        durations = [b - a for r, records in enumerate(ranks) for k, a, b in records
+                     if k == kind and a >= timed_from[r]]
+        if durations:
+            summary[kind] = 1e3 * statistics.median(durations)
+    n = min(len(s) for s in steps)
+    ends = [max(s[i][1] for s in steps) for i in range(n)]
+    summary["tail"] = 1e3 * statistics.median(steps[0][i + 1][0] - ends[i] for i in range(warmup, n - 1))
+    return summary
+
+
 # ------------------------------------------------------------------------------------------------ (a) torch loop
 def torch_worker(rank: int, args: argparse.Namespace, port: int, out: str) -> None:
     from torch.distributed.pipelining import PipelineStage
@@ -133,6 +194,7 @@ def torch_worker(rank: int, args: argparse.Namespace, port: int, out: str) -> No
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=args.pp)
+    times = _ActionTimes() if args.actions else None
     name, pp = args.schedule, args.pp
     blocks = list(_model(args).backbone)
     num_stages = _num_stages(name, pp)
@@ -160,6 +222,8 @@ def torch_worker(rank: int, args: argparse.Namespace, port: int, out: str) -> No
     if rank == 0:
         with open(out, "w") as f:
             json.dump({"starts": starts}, f)
+    if times is not None:
+        times.dump(out, rank)
     dist.destroy_process_group()
 
 
@@ -208,6 +272,7 @@ def run_strategy(args: argparse.Namespace, out: str) -> None:
         stages_per_rank=2 if spec.multi_stage else 1, check_data_every_n_batches=None,
     )
     starts = _Starts()
+    times = _ActionTimes() if args.actions else None
     trainer = L.Trainer(accelerator="cpu", devices=args.pp, strategy=strategy, max_steps=len(_batches(args)),
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, use_distributed_sampler=False,
@@ -216,6 +281,8 @@ def run_strategy(args: argparse.Namespace, out: str) -> None:
     if trainer.global_rank == 0:
         with open(out, "w") as f:
             json.dump({"starts": starts.starts}, f)
+    if times is not None:
+        times.dump(out, trainer.global_rank)
 
 
 # ------------------------------------------------------------------------------------------------ parent
@@ -223,11 +290,11 @@ def _median_step(starts: list[float], warmup: int) -> float:
     return statistics.median([b - a for a, b in zip(starts, starts[1:])][warmup:])
 
 
-def _variant(args: argparse.Namespace, variant: str, schedule: str) -> float:
+def _variant(args: argparse.Namespace, variant: str, schedule: str) -> tuple[float, dict[str, float]]:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
-        flags = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-                 if k not in ("schedules", "variant", "out", "schedule") and v is not None]
+        flags = [f"--{k.replace('_', '-')}" + ("" if v is True else f"={v}") for k, v in vars(args).items()
+                 if k not in ("schedules", "variant", "out", "schedule") and v is not None and v is not False]
         cmd = [sys.executable, os.path.abspath(__file__), f"--variant={variant}", f"--schedule={schedule}",
                f"--out={out}", *flags]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -235,7 +302,8 @@ def _variant(args: argparse.Namespace, variant: str, schedule: str) -> float:
         if proc.returncode != 0 or not os.path.exists(out):
             sys.exit(f"{variant} {schedule} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
         with open(out) as f:
-            return _median_step(json.load(f)["starts"], args.warmup)
+            step = _median_step(json.load(f)["starts"], args.warmup)
+        return step, _action_summary(out, args.pp, args.warmup) if args.actions else {}
 
 
 def main() -> None:
@@ -256,6 +324,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--timeout", type=int, default=600)
     p.add_argument("--profile", default=None, help="directory for a cProfile of each rank's timed steps (strategy)")
+    p.add_argument("--actions", action="store_true",
+                   help="also time each stage action and the step's tail, in both variants (median ms)")
     args = p.parse_args()
     if args.variant == "torch":
         return run_torch(args, args.out)
@@ -263,11 +333,21 @@ def main() -> None:
         return run_strategy(args, args.out)
     results = {"args": {k: v for k, v in vars(args).items() if k not in ("variant", "out", "schedule")}}
     print(f"{'schedule':<22}{'torch loop s':>14}{'strategy s':>12}{'speed':>8}", flush=True)
+    actions = {}
     for schedule in [s.strip() for s in args.schedules.split(",") if s.strip()]:
-        torch_s = _variant(args, "torch", schedule)
-        strategy_s = _variant(args, "strategy", schedule)
+        torch_s, torch_actions = _variant(args, "torch", schedule)
+        strategy_s, strategy_actions = _variant(args, "strategy", schedule)
         results[schedule] = {"torch_loop_s": torch_s, "strategy_s": strategy_s, "speed": torch_s / strategy_s}
+        if args.actions:
+            actions[schedule] = results[schedule]["actions_ms"] = {"torch_loop": torch_actions,
+                                                                   "strategy": strategy_actions}
         print(f"{schedule:<22}{torch_s:>14.4f}{strategy_s:>12.4f}{torch_s / strategy_s:>8.3f}", flush=True)
+    if actions:
+        print(f"\n{'median ms per action; the tail':<48}{'F':>8}{'B':>8}{'W':>8}{'tail':>8}")
+        for schedule, by_variant in actions.items():
+            for variant, summary in by_variant.items():
+                cells = "".join(f"{summary[k]:>8.2f}" if k in summary else f"{'-':>8}" for k in ("F", "B", "W", "tail"))
+                print(f"{schedule:<22}{variant:<26}{cells}")
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "costed_results.json")
     with open(path, "w") as f:
         json.dump(results, f, indent=1)
