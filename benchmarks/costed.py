@@ -9,7 +9,9 @@ behave like 4 devices and the schedules' bubbles show as they would on GPUs; the
 For each schedule: (a) the hand-written loop: ``PipelineStage`` per local stage (looped or V-shaped placement, as the
 strategy places them), torch's schedule class, SGD, on ``--pp`` processes (``torch.multiprocessing``, gloo); (b)
 ``PipelineStrategy(schedule=...)`` on the same blocks, split and batches. Median step time after warm-up, and (b)/(a)
-as speed. Results go to ``benchmarks/costed_results.json``.
+as speed. With ``--runs N`` each schedule runs N times in a row (the loop, then the strategy, each a launch of its
+own) and every figure is the median over them; single runs of the same code move by 2 to 3%. Results go to
+``benchmarks/costed_results.json``.
 
 ``--actions`` also times, in both variants, every stage action torch's schedule runs (``F`` forward, ``B`` backward
 or input gradient, ``W`` weight gradient) and the step's *tail*: from the end of a step's last action on any rank to
@@ -18,6 +20,7 @@ With 10 ms blocks, what an action takes beyond 10 ms per block is the code aroun
 
     python benchmarks/costed.py                                   # pp4, m=8, 10 ms each, every schedule
     python benchmarks/costed.py --schedules 1F1B --steps 5        # a quick look
+    python benchmarks/costed.py --runs 3                          # the median of 3 runs per schedule
     python benchmarks/costed.py --actions                         # and where the difference is
 """
 
@@ -324,6 +327,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--timeout", type=int, default=600)
     p.add_argument("--profile", default=None, help="directory for a cProfile of each rank's timed steps (strategy)")
+    p.add_argument("--runs", type=int, default=1,
+                   help="runs per schedule, one after the other; each figure is then the median over them")
     p.add_argument("--actions", action="store_true",
                    help="also time each stage action and the step's tail, in both variants (median ms)")
     args = p.parse_args()
@@ -335,13 +340,20 @@ def main() -> None:
     print(f"{'schedule':<22}{'torch loop s':>14}{'strategy s':>12}{'speed':>8}", flush=True)
     actions = {}
     for schedule in [s.strip() for s in args.schedules.split(",") if s.strip()]:
-        torch_s, torch_actions = _variant(args, "torch", schedule)
-        strategy_s, strategy_actions = _variant(args, "strategy", schedule)
-        results[schedule] = {"torch_loop_s": torch_s, "strategy_s": strategy_s, "speed": torch_s / strategy_s}
-        if args.actions:
+        runs = []
+        for _ in range(args.runs):  # each run: the loop, then the strategy, as separate launches
+            torch_s, torch_actions = _variant(args, "torch", schedule)
+            strategy_s, strategy_actions = _variant(args, "strategy", schedule)
+            runs.append((torch_s, strategy_s, torch_s / strategy_s))
+        torch_s, strategy_s, speed = (statistics.median(column) for column in zip(*runs))
+        results[schedule] = {"torch_loop_s": torch_s, "strategy_s": strategy_s, "speed": speed}
+        if args.runs > 1:
+            results[schedule]["runs"] = [{"torch_loop_s": t, "strategy_s": st, "speed": sp} for t, st, sp in runs]
+        if args.actions:  # the last run's
             actions[schedule] = results[schedule]["actions_ms"] = {"torch_loop": torch_actions,
                                                                    "strategy": strategy_actions}
-        print(f"{schedule:<22}{torch_s:>14.4f}{strategy_s:>12.4f}{torch_s / strategy_s:>8.3f}", flush=True)
+        each = f"  ({', '.join(f'{sp:.3f}' for _, _, sp in runs)})" if args.runs > 1 else ""
+        print(f"{schedule:<22}{torch_s:>14.4f}{strategy_s:>12.4f}{speed:>8.3f}{each}", flush=True)
     if actions:
         print(f"\n{'median ms per action; the tail':<48}{'F':>8}{'B':>8}{'W':>8}{'tail':>8}")
         for schedule, by_variant in actions.items():
