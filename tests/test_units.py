@@ -226,13 +226,21 @@ def test_the_answer_carries_gradients_to_the_stage_output_and_the_head():
 def test_the_last_stage_of_a_training_step_runs_the_step_once_to_its_weighted_loss():
     """[Note: the last stage's loss]: the last stage's forward runs the step on to its end and returns the loss the
     microbatch back-propagates (here weighted by its targets and scaled by ``grad_scale``); the step runs once per
-    stage, and the loss observer watches the code around the blocks, not the blocks."""
+    stage, and the loss observer watches the code around the blocks, not the blocks, run or skipped."""
     reference, model, program = two_stages_on_one_rank()
     modes_in_blocks: list[object] = []
     for block in model.blocks:
         block.register_forward_pre_hook(
             lambda *_: modes_in_blocks.append(torch.overrides._get_current_function_mode())
         )
+    modes_skipping: list[object] = []
+    skipped_output = program.skipped_output
+
+    def watched(*args: Any) -> Any:
+        modes_skipping.append(torch.overrides._get_current_function_mode())
+        return skipped_output(*args)
+
+    program.skipped_output = watched  # type: ignore[method-assign]
     calls = []
 
     def step(*args: Any) -> torch.Tensor:
@@ -246,7 +254,7 @@ def test_the_last_stage_of_a_training_step_runs_the_step_once_to_its_weighted_lo
     with program.holding(step, (x, y), BATCH, 0), program.computing_loss(losses):
         (first,) = program.run_stage(0, rows)
         (loss,) = program.run_stage(1, rows, (first,))
-    assert calls == [2, 2] and modes_in_blocks == [None] * 4
+    assert calls == [2, 2] and modes_in_blocks == [None] * 4 and modes_skipping == [None, None]
     assert weighing.source == "cross_entropy" and float(weighing.weights[0]) == 3 * SEQ  # the targets it holds
     expected = reference.training_step((x[2:5], y[2:5]), 0)
     torch.testing.assert_close(loss, expected * 0.5, rtol=0, atol=0)
