@@ -632,3 +632,23 @@ def test_configure_model_finds_the_mesh_by_model_parallel_strategy_names():
     # "tensor_parallel" is there without tensor parallelism too, as in ModelParallelStrategy: code tests its size
     assert model.seen == (("data_parallel", "pipeline_parallel", "tensor_parallel"), 1, 1, 1)
     assert trainer.strategy.device_mesh is model.device_mesh
+
+
+def test_row_spans_are_read_from_the_schedules_views_without_reading_values():
+    """[Note: row numbers read from the view]: torch's schedule splits the step's row numbers into views, whose span
+    comes from their offset (no value read: no device wait per stage run); any other tensor of rows is read."""
+    from torch.distributed.pipelining.microbatch import TensorChunkSpec, split_args_kwargs_into_chunks
+
+    from lightning_pipe._calls.batch import row_numbers, row_span
+
+    rows = row_numbers(10, torch.device("cpu"))
+    spec = {"lp_rows": TensorChunkSpec(0)}
+    _, chunks = split_args_kwargs_into_chunks((), {"lp_rows": rows}, 4, kwargs_chunk_spec=spec)
+    spans = [row_span(chunk["lp_rows"]) for chunk in chunks]
+    assert spans == [(0, 3), (3, 6), (6, 8), (8, 10)]
+    assert all(chunk["lp_rows"]._base is rows for chunk in chunks)  # read from the view, not the values
+    views = [chunk["lp_rows"] for chunk in chunks]
+    rows.copy_(torch.arange(100, 110))  # values that are not row numbers: the views' spans stay their offsets
+    assert [row_span(v) for v in views] == spans
+    assert row_span(torch.arange(5, 9)) == (5, 9)  # not a view of the step's row numbers: read
+    assert row_span(torch.arange(12)[4:7]) == (4, 7)

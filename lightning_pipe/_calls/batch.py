@@ -1,10 +1,12 @@
-"""The batch and the step as a run sees them: a batch's rows (:func:`slice_batch`, :func:`rows_dim`), the loss in
-what the step returned (:func:`loss_of`), and the step called with its logging muted (:func:`call_muted`)."""
+"""The batch and the step as a run sees them: a batch's rows (:func:`row_numbers`, :func:`row_span`,
+:func:`slice_batch`, :func:`rows_dim`), the loss in what the step returned (:func:`loss_of`), and the step called with
+its logging muted (:func:`call_muted`)."""
 
 from __future__ import annotations
 
 from typing import Any, Callable, TypeVar
 
+import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 
@@ -29,6 +31,31 @@ def rows_dim(hidden: tuple[int, ...], batch: Any) -> int:
     if hidden[0] in firsts or len(hidden) < 3 or hidden[1] not in firsts:
         return 0
     return 1
+
+
+def row_numbers(batch_size: int, device: torch.device) -> Tensor:
+    """The batch's row numbers, ``0 .. batch_size - 1``, as the schedule splits them into microbatches
+    ([Note: row numbers read from the view])."""
+    rows = torch.arange(batch_size, device=device)
+    rows._lp_row_numbers = True  # type: ignore[attr-defined]
+    return rows
+
+
+def row_span(rows: Tensor) -> tuple[int, int]:
+    """The first row and the row after the last of the microbatch ``rows`` (consecutive row numbers).
+
+    [Note: row numbers read from the view]
+    Every stage run reads which rows of the batch its microbatch holds. Reading them from the tensor (``rows[0]``)
+    costs two indexing operations and, on a GPU, waits for the device each time: a synchronisation per stage run that
+    stops the host from queueing work ahead. torch's schedule splits the step's :func:`row_numbers` with
+    ``tensor_split`` into views of it, and a view's offset into ``0 .. batch_size - 1`` is its first row number: so
+    the span is read from the view's offset and length, no value read. Any other tensor of row numbers (a schedule
+    that copied them, a caller's own ``arange``) is read."""
+    base = rows._base
+    if base is not None and getattr(base, "_lp_row_numbers", False) and rows.dim() == 1 and rows.stride(0) == 1:
+        start = rows.storage_offset() - base.storage_offset()
+        return start, start + rows.numel()
+    return int(rows[0]), int(rows[-1]) + 1
 
 
 def slice_batch(batch: Any, batch_size: int, start: int, stop: int) -> Any:

@@ -257,6 +257,7 @@ PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     ("lightning.pytorch.callbacks", "ModelSummary._max_depth"),  # _lightning/summary.py
     ("lightning.pytorch.utilities.model_summary", "ModelSummary._layer_summary"),  # _lightning/summary.py
     ("torch", "Tensor._make_wrapper_subclass"),  # _ghost.py
+    ("torch", "Tensor._base"),  # _calls/batch.py: row_span reads a microbatch's rows from its view
     ("torch._C", "_disabled_torch_function_impl"),  # _ghost.py
     ("torch.overrides", "_get_current_function_mode"),  # .torch.top_function_mode: the loss observer's pause
     ("torch._ops", "OpOverload"),  # _ghost.py: which ghost operations' results are kept by shape

@@ -38,6 +38,7 @@ from torch.distributed.pipelining.schedules import (
 from torch.utils._pytree import tree_leaves
 
 from lightning_pipe import _watchdog
+from lightning_pipe._calls.batch import row_numbers
 from lightning_pipe._compat.pipelining import (
     keep_forward_actions,
     merged_param_groups,
@@ -261,7 +262,7 @@ class StagePipeline:
         pipeline group).
         """
         schedule = self._schedule_for(self._key_for(sample, batch_size, num_microbatches, training=True))
-        rows = torch.arange(batch_size, device=self.device)
+        rows = row_numbers(batch_size, self.device)
         traced = timeline.trace(schedule) if timeline is not None else nullcontext()
         with self._dropped_if_it_fails(schedule), traced, _watchdog.waiting(lambda: self._transfers("training")):
             schedule.step(*self._first_input(rows), target=rows, lp_rows=rows, return_outputs=False)
@@ -275,7 +276,7 @@ class StagePipeline:
         a schedule of its own."""
         key = self._key_for(sample, batch_size, num_microbatches, training=False, kind=kind)
         schedule = self._schedule_for(key)
-        rows = torch.arange(batch_size, device=self.device)
+        rows = row_numbers(batch_size, self.device)
         with self._dropped_if_it_fails(schedule), _watchdog.waiting(lambda: self._transfers("evaluation")):
             output = schedule.eval(*self._first_input(rows), lp_rows=rows)
         if not self.has_last_stage:

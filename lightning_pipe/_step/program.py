@@ -37,7 +37,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
-from lightning_pipe._calls.batch import Result, call_muted, slice_batch
+from lightning_pipe._calls.batch import Result, call_muted, row_span, slice_batch
 from lightning_pipe._calls.records import HiddenAt, Structure, replace_hidden
 from lightning_pipe._calls.runners import BlockCalls, BlockRunners, never_called
 from lightning_pipe._calls.stops import Stop
@@ -178,7 +178,7 @@ class StepProgram(BlockRunners):
             self.probing_shapes = None
 
     def sub_batch(self, rows: Tensor) -> Any:
-        start, stop = int(rows[0]), int(rows[-1]) + 1
+        start, stop = row_span(rows)
         rows_of = getattr(self.batch, "lp_rows", None)  # a generation pass's inputs slice themselves
         if rows_of is not None:
             return rows_of(start, stop, self.probing_shapes)
@@ -257,7 +257,7 @@ class StepProgram(BlockRunners):
         if flow.blocks is None or stage == len(flow.sends) - 1 or stage != flow.answer_stage % len(flow.sends):
             return outputs or (rows.clone(),)  # a boundary a partial pass does not cross: the rows, for torch
         if not probing and self.probing_shapes is None:
-            self.answers_kept.append((int(rows[0]), outputs))
+            self.answers_kept.append((row_span(rows)[0], outputs))
         return (rows.clone(),)
 
     def kept_answers(self, batch_size: int) -> tuple[Tensor, ...]:
