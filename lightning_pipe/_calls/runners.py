@@ -53,6 +53,10 @@ class Runner(nn.Module):
             return self._lp_block(*args, **kwargs)
         return run.call_block(self._lp_index, self._lp_block, args, kwargs)
 
+    #: called as ``forward`` itself: ``nn.Module``'s call would only look for hooks, and a runner has none (the
+    #: block's own run when the block is called); every skipped block of every stage run goes through here
+    __call__ = forward
+
     def __getattr__(self, name: str) -> Any:
         try:
             return super().__getattr__(name)
@@ -160,8 +164,9 @@ class BlockRunners(SkippedBlocks):
         self.current: Optional[BlockCalls] = None
         #: the hidden state's dimension of rows, learned by :meth:`batch_size_of` ([Note: sequence-first hidden states])
         self.rows_dim = 0
-        self._runners = [Runner(self, i, backbone.module(i)) for i in range(len(backbone))]
-        self._blocks = [backbone.module(i) for i in range(len(backbone))]
+        runners = [Runner(self, i, backbone.module(i)) for i in range(len(backbone))]
+        #: the containers' module tables with the runners in the blocks' places, swapped in while a run is in progress
+        self._runner_tables = backbone.tables_with(runners)
         # key -> (owner, name, kind, real, ghost) of the held tensors read before the window
         self._swaps = {
             key: [
@@ -226,8 +231,7 @@ class BlockRunners(SkippedBlocks):
         if self.current is not None:
             raise RuntimeError("A pipelined step is already running in this process.")
         self.current = run
-        for i, runner in enumerate(self._runners):
-            self.backbone.set_module(i, runner)
+        held = self.backbone.swap_tables(self._runner_tables)
         entries = self._swaps.get(swaps, []) if swaps is not None else []
         if entries:
             self._swap(entries)
@@ -238,8 +242,7 @@ class BlockRunners(SkippedBlocks):
         finally:
             if run.restore_prefix is not None:
                 run.restore_prefix()
-            for i, block in enumerate(self._blocks):
-                self.backbone.set_module(i, block)
+            self.backbone.swap_tables(held)
             self.current = None
 
     def _put_back(self) -> None:

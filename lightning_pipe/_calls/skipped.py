@@ -68,9 +68,13 @@ class SkippedBlocks:
         io = self.structure.block_io[index]
         if io is None:
             return self.output_like(index, hidden)
-        plain = not kwargs and all(isinstance(a, Tensor) for a in args)  # the common call: skip the pytree walk
-        arg_leaves = list(args) if plain else tree_leaves((args, kwargs))
-        shapes = tuple(tuple(t.shape) for t in arg_leaves if isinstance(t, Tensor))
+        if not kwargs and len(args) == 1 and isinstance(args[0], Tensor):  # the common call: one tensor, no walk
+            arg_leaves: Sequence[Any] = args
+            shapes: tuple = (tuple(args[0].shape),)
+        else:
+            plain = not kwargs and all(isinstance(a, Tensor) for a in args)
+            arg_leaves = args if plain else tree_leaves((args, kwargs))
+            shapes = tuple(tuple(t.shape) for t in arg_leaves if isinstance(t, Tensor))
         out_shapes = self._skipped_shapes.get((index, shapes))
         if out_shapes is None:
             out_shapes = self._skipped_shapes[(index, shapes)] = _shapes_when_skipped(io, list(shapes))
@@ -82,7 +86,7 @@ class SkippedBlocks:
             if value is None and i in io.passed:
                 value = arg_leaves[io.passed[i]]
             if value is None and shape is not None:
-                if isinstance(hidden, Ghost) and tuple(hidden.shape) == shape and hidden.dtype == leaf.dtype:
+                if isinstance(hidden, Ghost) and hidden.shape == shape and hidden.dtype == leaf.dtype:
                     value = hidden  # the common case: a block returns its hidden state's shape (no new ghost)
                 else:
                     value = Ghost(torch.empty(shape, dtype=leaf.dtype, device="meta"), self.device)

@@ -57,9 +57,21 @@ class Backbone:
         block = self.blocks[index]
         return self.containers[block.container]._modules[block.key]  # type: ignore[return-value]
 
-    def set_module(self, index: int, module: nn.Module) -> None:
-        block = self.blocks[index]
-        self.containers[block.container]._modules[block.key] = module
+    def tables_with(self, modules: Sequence[nn.Module]) -> list[dict[str, nn.Module]]:
+        """Per container, a table of its modules with block ``i`` replaced by ``modules[i]``: put in as a whole with
+        :meth:`swap_tables` (one assignment per container instead of one per block)."""
+        tables: list[dict[str, nn.Module]] = [dict(c._modules) for c in self.containers]  # type: ignore[misc]
+        for block, module in zip(self.blocks, modules):
+            tables[block.container][block.key] = module
+        return tables
+
+    def swap_tables(self, tables: Sequence[dict[str, nn.Module]]) -> list[dict[str, nn.Module]]:
+        """Make ``tables`` the containers' module tables; returns the tables they held."""
+        held = []
+        for container, table in zip(self.containers, tables):
+            held.append(vars(container)["_modules"])
+            vars(container)["_modules"] = table
+        return held
 
     def describe(self) -> str:
         return ", ".join(f"`{p}` ({len(c)} blocks)" for p, c in zip(self.paths, self.containers))

@@ -328,7 +328,8 @@ class _Window(BlockCalls):
             out = program.skipped_output(index, args, kwargs, hidden, self.given)
             if index in self.wanted_blocks:
                 self._collect_block(index, out)
-            program.replay_inner(index, args, kwargs, self.given, self.on_inner_value)
+            if index in program.structure.inner_calls:
+                program.replay_inner(index, args, kwargs, self.given, self.on_inner_value)
             if index == self.first - 1 and self.restore_prefix is not None:
                 self.restore_prefix()  # the window starts: this run's code reads the real tensors from here
             if index == self.stop - 1 and self.stage is not None:  # the answer stage of a partial pass, no block
