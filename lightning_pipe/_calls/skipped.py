@@ -32,6 +32,9 @@ class SkippedBlocks:
         self.device = device
         #: (block, its arguments' shapes) -> the shapes of what it returns when skipped (:meth:`skipped_output`)
         self._skipped_shapes: dict[tuple[int, tuple], list[Optional[tuple[int, ...]]]] = {}
+        #: block -> (its BlockIO, the dtype it returns if it returns its one argument's shape): see
+        #: :meth:`_returns_its_argument`
+        self._returning_argument: dict[int, tuple[BlockIO, Optional[torch.dtype]]] = {}
 
     def hidden_of(self, index: int, out: Any) -> Any:
         """The hidden state in what block ``index`` returned."""
@@ -68,6 +71,10 @@ class SkippedBlocks:
         io = self.structure.block_io[index]
         if io is None:
             return self.output_like(index, hidden)
+        if not kwargs and len(args) == 1 and isinstance(hidden, Ghost) and hidden is args[0]:
+            dtype = self._returns_its_argument(index, io)  # the common block: its output is shaped as its input
+            if dtype is not None and hidden.dtype == dtype and ("block", index, 0, 0) not in given:
+                return hidden
         if not kwargs and len(args) == 1 and isinstance(args[0], Tensor):  # the common call: one tensor, no walk
             arg_leaves: Sequence[Any] = args
             shapes: tuple = (tuple(args[0].shape),)
@@ -92,6 +99,22 @@ class SkippedBlocks:
                     value = Ghost(torch.empty(shape, dtype=leaf.dtype, device="meta"), self.device)
             leaves.append(leaf if value is None else value)
         return leaves[0] if io.out_spec.is_leaf() else tree_unflatten(leaves, io.out_spec)
+
+
+    def _returns_its_argument(self, index: int, io: BlockIO) -> Optional[torch.dtype]:
+        """The dtype of what block ``index`` returns if it takes one tensor and returns one tensor of that tensor's
+        shape (and is not that tensor): skipped, it returns its ghost argument as it is, whatever the call's sizes
+        (:func:`_shapes_when_skipped` maps the output's sizes as the argument's, or takes the argument's shape).
+        ``None`` for any other block."""
+        known = self._returning_argument.get(index)
+        if known is None or known[0] is not io:  # learned once per block (the analysis fills in block_io as it goes)
+            leaf = io.out_leaves[0] if len(io.out_leaves) == 1 else None
+            plain = (
+                isinstance(leaf, Tensor) and io.out_spec.is_leaf() and not io.passed and len(io.arg_shapes) == 1
+                and tuple(leaf.shape) == io.arg_shapes[0]
+            )
+            known = self._returning_argument[index] = (io, leaf.dtype if plain else None)  # type: ignore[union-attr]
+        return known[1]
 
 
 def _shapes_when_skipped(io: BlockIO, shapes: list[tuple[int, ...]]) -> list[Optional[tuple[int, ...]]]:
