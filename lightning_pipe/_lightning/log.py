@@ -210,19 +210,36 @@ class LogChannel:
 
     The first step (and any step whose logged keys or options change) sends a pickled object. After that, when
     the keys are the same and the result and every value are scalars (the result may be a tuple of them), only the
-    values travel, in one small tensor broadcast:
-    a flag in the first slot tells the receivers whether the object follows.
+    values travel, in one small tensor: a flag in the first slot tells the receivers whether the object follows.
 
-    The source does not wait for that broadcast: the last stage finishes its step before the first stage does
-    (which still runs the last backward), and a blocking send would hold it until then instead of letting it
-    step its optimizer and start the next batch meanwhile. The send completes in the background and is waited
-    for before the next one.
+    [Note: the step's result, sent to each rank]
+    The source sends that tensor to each other rank of the pipeline on its own (point to point), not by a
+    broadcast. A broadcast relays: gloo's runs down a tree of ranks and NCCL's around a ring, so a rank may get the
+    values only once another receiver has joined the broadcast. Under 1F1B on 4 ranks, rank 2 got them through rank
+    0, which still ran the step's last backward: rank 2 started its optimizer step and Lightning's loop only then,
+    and reached Lightning's per-step broadcast at the next step's start 3 ms after rank 0, which waited for it there.
+    Sent point to point, each rank gets the values as soon as the source has them and its own schedule has ended.
+
+    The source does not wait for its sends: the last stage finishes its step before the first stage does (which
+    still runs the last backward), and a blocking send would hold it until then instead of letting it step its
+    optimizer and start the next batch meanwhile. The sends complete in the background and are waited for before
+    the next ones.
+
+    Args:
+        group: the pipeline's process group.
+        src: the source's rank in ``group``.
+        size: the group's size.
+        device: where the tensor travels from and to.
+        tag: the tag of this channel's messages (each channel on a group its own).
     """
 
-    def __init__(self, group: Optional[dist.ProcessGroup], src: int, size: int, device: torch.device) -> None:
-        self.group, self.src, self.size, self.device = group, src, size, device
+    def __init__(
+        self, group: Optional[dist.ProcessGroup], src: int, size: int, device: torch.device, tag: int = 1
+    ) -> None:
+        self.group, self.src, self.size, self.device, self.tag = group, src, size, device, tag
         self._signature: Optional[tuple] = None
-        self._in_flight: Optional[tuple[dist.Work, torch.Tensor]] = None  # the source's last send and its buffer
+        #: the source's last sends and their buffer
+        self._in_flight: Optional[tuple[list[dist.Work], torch.Tensor]] = None
 
     def share(self, payload: Optional[tuple[Any, list]]) -> tuple[Any, list]:
         """``payload`` is ``(result, entries)`` on the source rank and ``None`` elsewhere."""
@@ -231,15 +248,20 @@ class LogChannel:
             return payload
         self.wait()
         buffer = self._pack(payload)
-        if payload is not None and buffer[0] == 1:
-            work = dist.broadcast(buffer, group_src=self.src, group=self.group, async_op=True)
-            self._in_flight = (work, buffer)
-            return payload
-        dist.broadcast(buffer, group_src=self.src, group=self.group)
-        if buffer[0].item() == 1:
-            if payload is not None:
+        if payload is not None:
+            sends = [
+                dist.isend(buffer, group_dst=rank, group=self.group, tag=self.tag)
+                for rank in range(self.size) if rank != self.src
+            ]
+            if buffer[0] == 1:
+                self._in_flight = (sends, buffer)
                 return payload
-            return self._unpack(buffer[1:].cpu())
+            for work in sends:  # the object follows: every rank takes part in its broadcast
+                work.wait()
+        else:
+            dist.recv(buffer, group_src=self.src, group=self.group, tag=self.tag)
+            if buffer[0].item() == 1:
+                return self._unpack(buffer[1:].cpu())
         box = [_to_cpu(payload)]
         dist.broadcast_object_list(box, group_src=self.src, group=self.group)
         result, entries = box[0]
@@ -266,9 +288,10 @@ class LogChannel:
         return buffer
 
     def wait(self) -> None:
-        """Wait for the source's last send to complete (a no-op elsewhere)."""
+        """Wait for the source's last sends to complete (a no-op elsewhere)."""
         if self._in_flight is not None:
-            self._in_flight[0].wait()
+            for work in self._in_flight[0]:
+                work.wait()
             self._in_flight = None
 
     def _unpack(self, values: torch.Tensor) -> tuple[Any, list]:

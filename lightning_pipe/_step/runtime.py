@@ -178,7 +178,7 @@ class PipelineRuntime:
             warnings.warn(whole_backward_warning(schedule.name), stacklevel=2)
         self.pipeline.check_schedule()
         channel = (pp_group, self.pipeline.last_stage_rank, layout.pipeline_size, device)
-        self._train_channel, self._eval_channel = LogChannel(*channel), LogChannel(*channel)
+        self._train_channel, self._eval_channel = LogChannel(*channel, tag=1), LogChannel(*channel, tag=2)
         self.gradients = Gradients(module, replicas, tie_groups, sharding, tensor_group)
         self._trainable_checked: Optional[int] = None
         self._mean_warned = False
