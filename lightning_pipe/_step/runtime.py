@@ -201,7 +201,7 @@ class PipelineRuntime:
             self.drain()
 
     def drain(self) -> None:
-        """Wait for the last stage's last log broadcast (sent without waiting, see :class:`LogChannel`), so that no
+        """Wait for the last stage's last log sends (sent without waiting, see :class:`LogChannel`), so that no
         transfer is in flight when the run ends and the process groups are destroyed at exit."""
         self._train_channel.wait()
         self._eval_channel.wait()
