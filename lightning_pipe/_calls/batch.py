@@ -10,6 +10,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 
+from lightning_pipe._compat.lightning import logging_routed_to
 from lightning_pipe._errors import BackboneCallError, not_computed_by_last_stage, stop_iteration_fails
 from lightning_pipe._ghost import Ghost
 from lightning_pipe._lightning.log import LogRecorder
@@ -95,5 +96,5 @@ def loss_of(result: Any) -> Tensor:
 
 def call_muted(module: nn.Module, step: Callable[..., Result], args: tuple, kwargs: dict) -> Result:
     """``step(*args, **kwargs)``, what it logs kept by a recorder that is then dropped."""
-    with LogRecorder().installed(module), stop_iteration_fails():  # the last stage logs the step per microbatch
+    with logging_routed_to(module, LogRecorder()), stop_iteration_fails():  # the last stage logs per microbatch
         return step(*args, **kwargs)

@@ -62,9 +62,11 @@ def keep_loader_order(trainer: pl.Trainer) -> bool:
 
 @contextmanager
 def logging_routed_to(module: pl.LightningModule, log: Callable[..., None]) -> Iterator[None]:
-    """Route ``module.log`` (and so ``module.log_dict``) to ``log`` for the duration of the block."""
-    module.log = log
+    """Route ``module.log`` (and so ``module.log_dict``) to ``log`` for the duration of the block (an instance
+    attribute, set in the module's ``__dict__`` directly: ``nn.Module.__setattr__`` would look through its parameters,
+    buffers and submodules first, on every stage run)."""
+    vars(module)["log"] = log
     try:
         yield
     finally:
-        del module.log
+        vars(module).pop("log", None)

@@ -30,7 +30,7 @@ from __future__ import annotations
 import types
 import weakref
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Callable
 
 import torch
@@ -147,11 +147,15 @@ def forget_ghost_parameters(module: nn.Module) -> None:
     _step_stand_ins.pop(module, None)
 
 
-@contextmanager
-def ghost_parameters(module: nn.Module) -> Iterator[None]:
+def ghost_parameters(module: nn.Module) -> AbstractContextManager[None]:
     """While the step of ``module`` runs: the modules :func:`lend_ghost_parameters` noted answer ``parameters()`` and
     ``named_parameters()`` with their ghosts ([Note: emptied models])."""
-    emptied = _step_stand_ins.get(module, ())
+    emptied = _step_stand_ins.get(module)
+    return _ghosts_lent(emptied) if emptied else nullcontext()  # nothing to lend: no generator per stage run
+
+
+@contextmanager
+def _ghosts_lent(emptied: list[tuple[nn.Module, dict[int, list[str]]]]) -> Iterator[None]:
     for sub, names in emptied:
         # Bound methods, as the class's are: dynamo reads ``module.named_parameters.__func__`` when it traces a
         # compiled model through an emptied module.
