@@ -100,7 +100,6 @@ class SkippedBlocks:
             leaves.append(leaf if value is None else value)
         return leaves[0] if io.out_spec.is_leaf() else tree_unflatten(leaves, io.out_spec)
 
-
     def _returns_its_argument(self, index: int, io: BlockIO) -> Optional[torch.dtype]:
         """The dtype of what block ``index`` returns if it takes one tensor and returns one tensor of that tensor's
         shape (and is not that tensor): skipped, it returns its ghost argument as it is, whatever the call's sizes

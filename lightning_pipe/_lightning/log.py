@@ -217,7 +217,7 @@ class LogChannel:
     broadcast. A broadcast relays: gloo's runs down a tree of ranks and NCCL's around a ring, so a rank may get the
     values only once another receiver has joined the broadcast. Under 1F1B on 4 ranks, rank 2 got them through rank
     0, which still ran the step's last backward: rank 2 started its optimizer step and Lightning's loop only then,
-    and reached Lightning's per-step broadcast at the next step's start 3 ms after rank 0, which waited for it there.
+    and reached Lightning's per-step broadcast at the next step's start 1.5 ms after rank 0, which waited 3 ms there.
     Sent point to point, each rank gets the values as soon as the source has them and its own schedule has ended.
 
     The source does not wait for its sends: the last stage finishes its step before the first stage does (which
