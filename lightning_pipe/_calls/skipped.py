@@ -71,11 +71,11 @@ class SkippedBlocks:
         io = self.structure.block_io[index]
         if io is None:
             return self.output_like(index, hidden)
-        if not kwargs and len(args) == 1 and isinstance(hidden, Ghost) and hidden is args[0]:
-            dtype = self._returns_its_argument(index, io)  # the common block: its output is shaped as its input
-            if dtype is not None and hidden.dtype == dtype and ("block", index, 0, 0) not in given:
-                return hidden
         if not kwargs and len(args) == 1 and isinstance(args[0], Tensor):  # the common call: one tensor, no walk
+            if hidden is args[0] and isinstance(hidden, Ghost):
+                dtype = self._returns_its_argument(index, io)  # the common block: its output is shaped as its input
+                if dtype is not None and hidden.dtype == dtype and ("block", index, 0, 0) not in given:
+                    return hidden
             arg_leaves: Sequence[Any] = args
             shapes: tuple = (tuple(args[0].shape),)
         else:
