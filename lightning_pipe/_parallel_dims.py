@@ -55,6 +55,8 @@ class ParallelDims:
     world_size: int
     mesh: Optional[DeviceMesh] = field(default=None, repr=False)
     loss_weight_group: Optional[dist.ProcessGroup] = field(default=None, repr=False)
+    #: with a pipeline: the group over it that carries each training step's result from the last stage
+    result_group: Optional[dist.ProcessGroup] = field(default=None, repr=False)
 
     @classmethod
     def resolve(
@@ -82,8 +84,9 @@ class ParallelDims:
         return (DATA_REPLICATE, DATA_SHARD, PIPELINE, TENSOR), (rows, self.shard, self.pipeline, self.tensor)
 
     def build(self, device_type: str, backend: Optional[str], timeout: Optional[timedelta]) -> DeviceMesh:
-        """The mesh over every process, each sub-group with ``timeout``; with replicas and a pipeline, also the group
-        that carries each step's loss weight ([Note: overlapped reductions])."""
+        """The mesh over every process, each sub-group with ``timeout``; with a pipeline, also the group that carries
+        each training step's result, and with replicas too, the one that carries its loss weight ([Note: overlapped
+        reductions])."""
         names, sizes = self.names_and_sizes()
         options = mesh_group_options(dict(zip(names, sizes)), self.world_size, backend, timeout)
         mesh = init_device_mesh(device_type, sizes, mesh_dim_names=names, backend_override=options)
@@ -91,9 +94,11 @@ class ParallelDims:
             flat = mesh_group_options({DATA: self.data}, self.world_size, backend, timeout).get(DATA)
             mesh[(DATA_REPLICATE, DATA_SHARD)]._flatten(DATA, backend_override=flat)
         self.mesh = mesh
+        rows = [row.tolist() for row in self.pipelines()]
         if self.pipeline > 1 and self.data > 1:
-            rows = [row.tolist() for row in self.pipelines()]
             self.loss_weight_group, _ = dist.new_subgroups_by_enumeration(rows, timeout=timeout)
+        if self.pipeline > 1:  # [Note: the step's result, sent before the schedule ends]
+            self.result_group, _ = dist.new_subgroups_by_enumeration(rows, timeout=timeout)
         log.debug("rank %d: %s, pipeline rank %d", dist.get_rank(), self, self.pipeline_rank)
         return mesh
 

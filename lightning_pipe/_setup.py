@@ -111,7 +111,8 @@ def build_pipeline(module: pl.LightningModule, trainer: pl.Trainer, args: SetupA
         checkpointed=checkpointed_blocks(options.activation_checkpointing, args.configured.checkpointed),
         amp_scaler=getattr(args.precision_plugin, "scaler", None), timeline=options.timeline,
         check_data_every=options.check_data_every_n_batches, sharding=sharding,
-        scale_group=dims.loss_weight_group, tensor_group=dims.tensor_group,
+        scale_group=dims.loss_weight_group, result_group=dims.result_group,
+        tensor_group=dims.tensor_group,
         through_override=through_backward_override(module) if fitting else None,
         choice=choice_of(module) if options.auto else None, trial=chooser.trial if chooser is not None else None,
     )

@@ -45,9 +45,12 @@ class TinyLM(L.LightningModule):
         scheduler: Optional[str] = None,
         batchnorm: bool = False,
         train_metric: bool = False,
+        log_sometimes: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
+        # a key logged on some steps only: the step's logs then travel as an object, the others as values
+        self.log_sometimes = log_sometimes
         # a torchmetrics accuracy called (forward) in training_step, logged per step and per epoch
         self.train_acc = MulticlassAccuracy(num_classes=VOCAB, average="micro") if train_metric else None
         layers: list[nn.Module] = [nn.Embedding(VOCAB, DIM)]
@@ -70,6 +73,8 @@ class TinyLM(L.LightningModule):
             self.train_acc(logits.argmax(-1), y)
             self.log("train_acc", self.train_acc, on_step=True, on_epoch=True)
         self.log("train_loss_epoch_sum", loss, on_step=False, on_epoch=True, reduce_fx="sum", sync_dist=True)
+        if self.log_sometimes and self.global_step % 3 == 1:
+            self.log("train_loss_doubled", 2 * loss, on_step=True, on_epoch=False)
         return loss
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:

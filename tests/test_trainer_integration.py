@@ -13,8 +13,11 @@ from lightning_pipe import PipelineStrategy
 
 @pytest.mark.dist
 def test_loggers_on_rank_zero_record_full_batch_values(tmp_path):
+    """Every rank sees each step's logged values as on one device, also when a key is logged on some steps only
+    (those steps' values travel as an object, the others' as a tensor sent during the schedule)."""
     spec = {
         "devices": 2,
+        "model": {"log_sometimes": True},
         "strategy": {"num_microbatches": 4},
         "data": {"n": 32, "batch_size": 8},
         "trainer": {"max_epochs": 2, "log_every_n_steps": 1},
@@ -27,6 +30,12 @@ def test_loggers_on_rank_zero_record_full_batch_values(tmp_path):
     logged = [float(r["train_loss"]) for r in rows if r.get("train_loss")]
     expected = [s["train_loss"] for s in ref["steps"]]
     assert len(logged) == len(expected) and max(abs(a - b) for a, b in zip(logged, expected)) < 1e-5
+    want = [s.get("train_loss_doubled") for s in ref["steps"]]
+    assert len({w is None for w in want}) == 2  # logged on some steps, not on others
+    for r in results:
+        got = [s.get("train_loss_doubled") for s in r["steps"]]
+        assert len(got) == len(want)
+        assert all((a is None) == (b is None) and (a is None or abs(a - b) < 1e-5) for a, b in zip(got, want))
     sums = [float(r["train_loss_epoch_sum"]) for r in rows if r.get("train_loss_epoch_sum")]
     assert len(sums) == 2  # the epoch-level sum, synced with sync_dist=True without deadlock
     assert list((tmp_path / "out" / "tb").rglob("events.out.tfevents*"))

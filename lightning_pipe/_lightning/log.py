@@ -225,43 +225,99 @@ class LogChannel:
     optimizer and start the next batch meanwhile. The sends complete in the background and are waited for before
     the next ones.
 
+    [Note: the step's result, sent before the schedule ends]
+    A training step's loss and logs are known once the last stage's last microbatch ran its loss, and the schedule
+    then still runs the backward passes. Under DualPipeV the last stage shares its rank with the first, which runs
+    the step's last backward, so every rank ended its schedule within 3 ms of the others and then waited 1.5 ms more
+    for the values; their optimizer steps and Lightning's loop then ran one after the other on few cores, and rank 0
+    waited for the last of them at Lightning's per-step broadcast. So a training channel (``early=True``) sends the
+    values-only tensor from inside the schedule (:meth:`send_early`), and every other rank posts its receive before
+    its schedule starts (:meth:`expect`): each rank has the values when its own schedule ends. The channel then needs
+    a process group that carries nothing else: NCCL matches point-to-point transfers between two ranks in the order
+    they were issued, whatever their tags, so a send issued amid the schedule's on the pipeline's group would be
+    taken for one of them (the loss weight's channel does the same, [Note: overlapped reductions]). A step whose
+    values must travel as an object sends it after the schedule, as before: the object's broadcast is a collective,
+    which would hold the last stage's schedule until every rank had ended its own.
+
     Args:
-        group: the pipeline's process group.
+        group: the pipeline's process group (with ``early``: a group over the pipeline that carries nothing else).
         src: the source's rank in ``group``.
         size: the group's size.
         device: where the tensor travels from and to.
         tag: the tag of this channel's messages (each channel on a group its own).
+        early: the values may be sent before the schedule ends, and are received into a buffer posted before it
+            starts.
     """
 
     def __init__(
-        self, group: Optional[dist.ProcessGroup], src: int, size: int, device: torch.device, tag: int = 1
+        self, group: Optional[dist.ProcessGroup], src: int, size: int, device: torch.device, tag: int = 1,
+        early: bool = False,
     ) -> None:
         self.group, self.src, self.size, self.device, self.tag = group, src, size, device, tag
+        self.early = early and size > 1
         self._signature: Optional[tuple] = None
         #: the source's last sends and their buffer
         self._in_flight: Optional[tuple[list[dist.Work], torch.Tensor]] = None
+        #: the source's payload of this step, when :meth:`send_early` sent it
+        self._sent: Optional[tuple[Any, list]] = None
+        #: a receiver's receive posted by :meth:`expect`, and its buffer
+        self._posted: Optional[tuple[dist.Work, torch.Tensor]] = None
+
+    def expect(self, is_source: bool) -> None:
+        """Before a step's schedule (``early`` channels): a receiver posts the receive of the step's tensor."""
+        if self.early and not is_source:
+            buffer = self._pack(None)
+            self._posted = (dist.irecv(buffer, group_src=self.src, group=self.group, tag=self.tag), buffer)
+
+    def send_early(self, payload: tuple[Any, list]) -> None:
+        """On the source, inside the schedule (``early`` channels): send ``payload`` now if it travels as values;
+        :meth:`share` then returns it without sending again. An object waits for :meth:`share`."""
+        if not self.early:
+            return
+        self.wait()
+        buffer = self._pack(payload)
+        if buffer[0] == 1:
+            self._send(buffer)
+            self._sent = payload
 
     def share(self, payload: Optional[tuple[Any, list]]) -> tuple[Any, list]:
         """``payload`` is ``(result, entries)`` on the source rank and ``None`` elsewhere."""
         if self.size == 1:
             assert payload is not None
             return payload
+        if payload is not None and payload is self._sent:
+            self._sent = None
+            return payload
+        self._sent = None
         self.wait()
+        if self._posted is not None:
+            work, buffer = self._posted
+            self._posted = None
+            work.wait()
+            if buffer[0].item() == 1:
+                return self._unpack(buffer[1:].cpu())
+            return self._object(payload)
         buffer = self._pack(payload)
         if payload is not None:
-            sends = [
-                dist.isend(buffer, group_dst=rank, group=self.group, tag=self.tag)
-                for rank in range(self.size) if rank != self.src
-            ]
+            self._send(buffer)
             if buffer[0] == 1:
-                self._in_flight = (sends, buffer)
                 return payload
-            for work in sends:  # the object follows: every rank takes part in its broadcast
-                work.wait()
+            self.wait()  # the object follows: every rank takes part in its broadcast
         else:
             dist.recv(buffer, group_src=self.src, group=self.group, tag=self.tag)
             if buffer[0].item() == 1:
                 return self._unpack(buffer[1:].cpu())
+        return self._object(payload)
+
+    def _send(self, buffer: torch.Tensor) -> None:
+        sends = [
+            dist.isend(buffer, group_dst=rank, group=self.group, tag=self.tag)
+            for rank in range(self.size) if rank != self.src
+        ]
+        self._in_flight = (sends, buffer)
+
+    def _object(self, payload: Optional[tuple[Any, list]]) -> tuple[Any, list]:
+        """The payload as a pickled object, broadcast by the source; every rank learns its signature."""
         box = [_to_cpu(payload)]
         dist.broadcast_object_list(box, group_src=self.src, group=self.group)
         result, entries = box[0]
@@ -269,9 +325,9 @@ class LogChannel:
         return result, entries
 
     def _pack(self, payload: Optional[tuple[Any, list]]) -> torch.Tensor:
-        """The buffer every rank broadcasts: on the source, with the flag set and the values in it when the payload
-        has the last object's signature (:func:`_signature`); zeros elsewhere, and for a payload that must travel
-        as an object."""
+        """The buffer the source sends and the others receive into: on the source, with the flag set and the values
+        in it when the payload has the last object's signature (:func:`_signature`); zeros elsewhere, and for a
+        payload that must travel as an object."""
         signature = self._signature
         width = len(signature[0][2]) if signature is not None else 0
         slots = len(signature) - 1 + width if signature is not None else 0

@@ -9,7 +9,7 @@ by the microbatch count and Lightning's gradient accumulation (and the AMP scale
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING, Optional
 
@@ -38,11 +38,14 @@ class MicrobatchLoss:
         overlap: the reductions that overlap the last backward: they get the step's gradient scale once the last
             microbatch's loss is known ([Note: overlapped reductions]).
         amp_scaler: the precision plugin's ``GradScaler``, if any.
+        on_last: called once the last microbatch's loss is in (the step's result is then known: [Note: the step's
+            result, sent before the schedule ends]).
     """
 
     def __init__(
         self, module: nn.Module, recorder: LogRecorder, weighing: LossWeighing, *, grad_scale: float,
         overlap: Optional[ReductionOverlap], amp_scaler: Optional[torch.amp.GradScaler],
+        on_last: Optional[Callable[[], None]] = None,
     ) -> None:
         self.module = module
         self.grad_scale = grad_scale
@@ -50,6 +53,7 @@ class MicrobatchLoss:
         self.weighing = weighing
         self.overlap = overlap
         self.amp_scaler = amp_scaler
+        self.on_last = on_last
         self._observer: Optional[MeanObserver] = None
 
     @contextmanager
@@ -69,10 +73,13 @@ class MicrobatchLoss:
         weighing = self.weighing
         weight, factor = weighing.add(result, loss, self._observer)
         self._observer = None
-        if self.overlap is not None and len(weighing.losses) == weighing.num_microbatches:
-            self.overlap.share_scale(weighing.result()[1])  # the other stages reduce with it as they finish
         if weight is not None:
             self.recorder.weigh_loss(loss, weight)
+        if len(weighing.losses) == weighing.num_microbatches:
+            if self.overlap is not None:
+                self.overlap.share_scale(weighing.result()[1])  # the other stages reduce with it as they finish
+            if self.on_last is not None:
+                self.on_last()
         loss = whole(loss)  # a `loss_parallel` loss as the plain tensor every tensor rank holds
         if factor:
             loss = loss * (factor * self.grad_scale)

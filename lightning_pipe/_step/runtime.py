@@ -80,6 +80,7 @@ if TYPE_CHECKING:
     from contextlib import AbstractContextManager
 
     import lightning.pytorch as pl
+    from torchmetrics import Metric
 
     from lightning_pipe._step.pipeline import BackwardOverride
     from lightning_pipe._step.shapes import Metas
@@ -107,6 +108,9 @@ class PipelineRuntime:
         sharding: this rank's FSDP units when the stages are sharded over their replicas ([Note: sharded stages]).
         scale_group: a second group over this rank's pipeline, which carries each step's loss weight to every stage
             during the schedule ([Note: overlapped reductions]); ``None`` with one process per pipeline.
+        result_group: another group over this rank's pipeline, which carries each training step's loss and logs from
+            the last stage to the other stages during the schedule ([Note: the step's result, sent before the
+            schedule ends]); ``None``: they are sent on ``pp_group`` after the schedule.
         tensor_group: this rank's tensor-parallel group (``None`` without tensor parallelism): see :class:`Gradients`.
         choice, trial: ``schedule="auto"``'s choice for the module and the trial that times its candidates on the
             first training steps ([Note: configuration by measurement]).
@@ -128,6 +132,7 @@ class PipelineRuntime:
         check_data_every: Optional[int] = None,
         sharding: Optional[StageSharding] = None,
         scale_group: Optional[dist.ProcessGroup] = None,
+        result_group: Optional[dist.ProcessGroup] = None,
         tensor_group: Optional[dist.ProcessGroup] = None,
         through_override: Optional[BackwardOverride] = None,
         choice: Optional[Choice] = None,
@@ -177,8 +182,11 @@ class PipelineRuntime:
                 and schedule.splits_backward:
             warnings.warn(whole_backward_warning(schedule.name), stacklevel=2)
         self.pipeline.check_schedule()
-        channel = (pp_group, self.pipeline.last_stage_rank, layout.pipeline_size, device)
-        self._train_channel, self._eval_channel = LogChannel(*channel, tag=1), LogChannel(*channel, tag=2)
+        last, size = self.pipeline.last_stage_rank, layout.pipeline_size
+        # [Note: the step's result, sent before the schedule ends]: on a group of its own, when there is one
+        self._train_channel = LogChannel(result_group or pp_group, last, size, device, tag=1,
+                                         early=result_group is not None)
+        self._eval_channel = LogChannel(pp_group, last, size, device, tag=2)
         self.gradients = Gradients(module, replicas, tie_groups, sharding, tensor_group)
         self._trainable_checked: Optional[int] = None
         self._mean_warned = False
@@ -280,11 +288,19 @@ class PipelineRuntime:
         grad_scale = 1.0 / (num_microbatches * module.trainer.accumulate_grad_batches)
         recorder = LogRecorder()
         weighing = LossWeighing(num_microbatches, check_unweighted=not self._mean_warned)
+        metrics = module_metrics(module) if pipeline.has_last_stage else []  # only the last stage runs the step
+        channel, payloads = self._train_channel, []
+
+        def send_early() -> None:  # [Note: the step's result, sent before the schedule ends]
+            payloads.append(_train_payload(module, weighing, recorder, metrics))
+            channel.send_early(payloads[0])
+
         losses = MicrobatchLoss(
-            module, recorder, weighing, grad_scale=grad_scale, overlap=self.overlap, amp_scaler=self.amp_scaler
+            module, recorder, weighing, grad_scale=grad_scale, overlap=self.overlap, amp_scaler=self.amp_scaler,
+            on_last=send_early if channel.early and not metrics else None,  # metrics merge after the schedule
         )
         tracer = self.timeline.recorder(module.trainer) if self.timeline is not None else None
-        metrics = module_metrics(module) if pipeline.has_last_stage else []  # only the last stage runs the step
+        channel.expect(pipeline.has_last_stage)
         with program.holding(step, batch, batch_size, *rest, **kwargs), program.computing_loss(losses):
             sample = program.sub_batch(torch.arange(batch_size // num_microbatches))
             with per_batch_metrics(metrics, num_microbatches), self.gradients.computed_aside():
@@ -296,11 +312,10 @@ class PipelineRuntime:
                     self.overlap.finish()  # into the step's gradients, before they are set aside
         payload = None
         if pipeline.has_last_stage:
-            loss, scale = weighing.result()
-            payload = ((loss, torch.tensor(scale, dtype=torch.float64)), recorder.reduce(module, metrics))
+            payload = payloads[0] if payloads else _train_payload(module, weighing, recorder, metrics)
             self._warn_unweighted(weighing)
         with self._waiting_for_last_stage():
-            (loss, scale), entries = self._train_channel.share(payload)
+            (loss, scale), entries = channel.share(payload)
         self.gradients.synchronise(float(scale), tracer.collective if tracer is not None else None, self.overlap)
         replay(module, entries, self.device, self.dp_group)
         if tracer is not None:
@@ -472,3 +487,12 @@ def _ghost_result(step: Callable[..., object]) -> Exception:
 def _eager() -> AbstractContextManager[None]:
     """Compiled code runs eagerly inside (the shape probes')."""
     return torch.compiler.set_stance("force_eager")
+
+
+def _train_payload(
+    module: pl.LightningModule, weighing: LossWeighing, recorder: LogRecorder, metrics: list[tuple[str, Metric]]
+) -> tuple[tuple[Tensor, Tensor], list]:
+    """What the last stage sends the other ranks after a training step: the full-batch loss, the gradients' factor
+    ([Note: token-weighted losses]) and the logs reduced over the microbatches."""
+    loss, scale = weighing.result()
+    return (loss, torch.tensor(scale, dtype=torch.float64)), recorder.reduce(module, metrics)
