@@ -56,6 +56,7 @@ def test_the_mesh_hands_out_groups_by_name(group):
     assert mesh.mesh_dim_names == (DATA, PIPELINE, TENSOR) and dims.mesh is mesh
     assert dims.pipeline_rank == dims.data_rank == 0 and dims.tensor_group is None and dims.tensor_mesh is None
     assert dims.pipelines().tolist() == [[0]] and dims.loss_weight_group is None
+    assert dims.result_group is None  # one pipeline rank: the step's result stays where it is computed
     assert dims.shard_mesh.mesh_dim_names == (DATA,)
     assert not is_tensor_parallel(mesh) and not is_tensor_parallel(mesh[DATA]) and not is_tensor_parallel(None)
     with pytest.raises(RuntimeError, match="when the processes start"):

@@ -13,12 +13,13 @@ from lightning_pipe import PipelineStrategy
 
 @pytest.mark.dist
 def test_loggers_on_rank_zero_record_full_batch_values(tmp_path):
-    """Every rank sees each step's logged values as on one device, also when a key is logged on some steps only
-    (those steps' values travel as an object, the others' as a tensor sent during the schedule)."""
+    """Every rank sees each step's logged values as on one device, also when a key is logged on some steps only:
+    under DualPipeV those steps' values travel as an object after the schedule, the others' as a tensor sent from
+    inside it ([Note: the step's result, sent before the schedule ends])."""
     spec = {
         "devices": 2,
         "model": {"log_sometimes": True},
-        "strategy": {"num_microbatches": 4},
+        "strategy": {"num_microbatches": 4, "schedule": "DualPipeV"},
         "data": {"n": 32, "batch_size": 8},
         "trainer": {"max_epochs": 2, "log_every_n_steps": 1},
         "logger": "csv+tensorboard",

@@ -227,17 +227,21 @@ class LogChannel:
 
     [Note: the step's result, sent before the schedule ends]
     A training step's loss and logs are known once the last stage's last microbatch ran its loss, and the schedule
-    then still runs the backward passes. Under DualPipeV the last stage shares its rank with the first, which runs
-    the step's last backward, so every rank ended its schedule within 3 ms of the others and then waited 1.5 ms more
-    for the values; their optimizer steps and Lightning's loop then ran one after the other on few cores, and rank 0
-    waited for the last of them at Lightning's per-step broadcast. So a training channel (``early=True``) sends the
-    values-only tensor from inside the schedule (:meth:`send_early`), and every other rank posts its receive before
-    its schedule starts (:meth:`expect`): each rank has the values when its own schedule ends. The channel then needs
-    a process group that carries nothing else: NCCL matches point-to-point transfers between two ranks in the order
-    they were issued, whatever their tags, so a send issued amid the schedule's on the pipeline's group would be
-    taken for one of them (the loss weight's channel does the same, [Note: overlapped reductions]). A step whose
-    values must travel as an object sends it after the schedule, as before: the object's broadcast is a collective,
-    which would hold the last stage's schedule until every rank had ended its own.
+    then still runs the backward passes. With a V-shaped placement (DualPipeV, ZBVZeroBubble) the last stage shares
+    rank 0 with the first, which runs the step's last backward. Under DualPipeV every rank ended its schedule within
+    3 ms of the others and then waited 1.5 ms more for the values; their optimizer steps and Lightning's loop then ran
+    one after the other on few cores, and rank 0 waited for the last of them at Lightning's per-step broadcast. So
+    there a training channel (``early=True``) sends the values-only tensor from inside the schedule
+    (:meth:`send_early`), and every other rank posts its receive before its schedule starts (:meth:`expect`): each
+    rank has the values when its own schedule ends. In a looped placement the last stage's rank ends its schedule
+    before the ranks that still run backward, so its send after the schedule arrives in time; sent from inside the
+    schedule it would only delay that rank's backward, which the others wait for.
+
+    The channel then needs a process group that carries nothing else: NCCL matches point-to-point transfers between
+    two ranks in the order they were issued, whatever their tags, so a send issued amid the schedule's on the
+    pipeline's group would be taken for one of them (the loss weight's channel does the same, [Note: overlapped
+    reductions]). A step whose values must travel as an object sends it after the schedule, as before: the object's
+    broadcast is a collective, which would hold the last stage's schedule until every rank had ended its own.
 
     Args:
         group: the pipeline's process group (with ``early``: a group over the pipeline that carries nothing else).

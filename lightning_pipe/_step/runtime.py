@@ -109,8 +109,9 @@ class PipelineRuntime:
         scale_group: a second group over this rank's pipeline, which carries each step's loss weight to every stage
             during the schedule ([Note: overlapped reductions]); ``None`` with one process per pipeline.
         result_group: another group over this rank's pipeline, which carries each training step's loss and logs from
-            the last stage to the other stages during the schedule ([Note: the step's result, sent before the
-            schedule ends]); ``None``: they are sent on ``pp_group`` after the schedule.
+            the last stage to the other stages during the schedule when the last stage shares the first stage's rank
+            ([Note: the step's result, sent before the schedule ends]); otherwise, or ``None``, they are sent on
+            ``pp_group`` after the schedule.
         tensor_group: this rank's tensor-parallel group (``None`` without tensor parallelism): see :class:`Gradients`.
         choice, trial: ``schedule="auto"``'s choice for the module and the trial that times its candidates on the
             first training steps ([Note: configuration by measurement]).
@@ -183,9 +184,9 @@ class PipelineRuntime:
             warnings.warn(whole_backward_warning(schedule.name), stacklevel=2)
         self.pipeline.check_schedule()
         last, size = self.pipeline.last_stage_rank, layout.pipeline_size
-        # [Note: the step's result, sent before the schedule ends]: on a group of its own, when there is one
-        self._train_channel = LogChannel(result_group or pp_group, last, size, device, tag=1,
-                                         early=result_group is not None)
+        # [Note: the step's result, sent before the schedule ends]: when the last stage shares the first's rank
+        early = result_group is not None and last == 0
+        self._train_channel = LogChannel(result_group if early else pp_group, last, size, device, tag=1, early=early)
         self._eval_channel = LogChannel(pp_group, last, size, device, tag=2)
         self.gradients = Gradients(module, replicas, tie_groups, sharding, tensor_group)
         self._trainable_checked: Optional[int] = None
