@@ -273,6 +273,7 @@ def test_consolidate_cli(saved, reference, work):
     model = models.TinyLM.load_from_checkpoint(out_file)  # no strategy, no process group
     assert dict(model.hparams) == {
         "blocks": 4, "lr": 0.1, "optimizer": "sgd", "scheduler": "step", "batchnorm": False, "train_metric": False,
+        "log_sometimes": False,
     }
     state = model.state_dict()
     assert set(state) == set(trained) and all(torch.equal(state[k], v) for k, v in trained.items())
