@@ -289,29 +289,31 @@ class LogChannel:
         if self.size == 1:
             assert payload is not None
             return payload
-        if payload is not None and payload is self._sent:
-            self._sent = None
+        sent, self._sent = self._sent, None
+        if payload is not None and payload is sent:  # sent from inside the schedule already
             return payload
-        self._sent = None
         self.wait()
-        if self._posted is not None:
-            work, buffer = self._posted
-            self._posted = None
-            work.wait()
-            if buffer[0].item() == 1:
-                return self._unpack(buffer[1:].cpu())
-            return self._object(payload)
-        buffer = self._pack(payload)
         if payload is not None:
+            buffer = self._pack(payload)
             self._send(buffer)
             if buffer[0] == 1:
                 return payload
             self.wait()  # the object follows: every rank takes part in its broadcast
         else:
-            dist.recv(buffer, group_src=self.src, group=self.group, tag=self.tag)
+            buffer = self._received()
             if buffer[0].item() == 1:
                 return self._unpack(buffer[1:].cpu())
         return self._object(payload)
+
+    def _received(self) -> torch.Tensor:
+        """A receiver's buffer of this step: the one posted before the schedule (:meth:`expect`), or received now."""
+        if self._posted is not None:
+            (work, buffer), self._posted = self._posted, None
+            work.wait()
+            return buffer
+        buffer = self._pack(None)
+        dist.recv(buffer, group_src=self.src, group=self.group, tag=self.tag)
+        return buffer
 
     def _send(self, buffer: torch.Tensor) -> None:
         sends = [
