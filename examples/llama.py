@@ -303,6 +303,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         devices=args.devices,
         strategy=strategy,
         max_steps=args.max_steps,
+        max_epochs=1,  # the loader holds max_steps batches; without it the progress bar reads "Epoch 0/-2"
         val_check_interval=min(args.val_every, args.max_steps),
         check_val_every_n_epoch=None,
         log_every_n_steps=10,
