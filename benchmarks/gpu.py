@@ -44,15 +44,22 @@ class SGDLlama(LitLlama):
         return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
 
 
+def synchronize(accelerator: str) -> None:
+    """Wait for the GPU's queued work (``--accelerator cpu``: nothing is queued)."""
+    if accelerator == "gpu":
+        torch.cuda.synchronize()
+
+
 class Steps(Callback):
     """Each training step's loss and start time (after a CUDA synchronise)."""
 
-    def __init__(self) -> None:
+    def __init__(self, accelerator: str = "gpu") -> None:
+        self.accelerator = accelerator
         self.losses: list[float] = []
         self.starts: list[float] = []
 
     def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
-        torch.cuda.synchronize()
+        synchronize(self.accelerator)
         self.starts.append(time.perf_counter())
 
     def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
@@ -88,9 +95,9 @@ def fit(
     if pipeline:
         strategy = PipelineStrategy(schedule=schedule, stages_per_rank=2,
                                     num_microbatches=args.num_microbatches, compile=compiled)
-    record = Steps()
-    trainer = L.Trainer(accelerator="gpu", devices=1, strategy=strategy, precision=precision, max_steps=steps,
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+    record = Steps(args.accelerator)
+    trainer = L.Trainer(accelerator=args.accelerator, devices=1, strategy=strategy, precision=precision,
+                        max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, callbacks=[record], use_distributed_sampler=False)
     trainer.fit(model, _loader(args, steps))
     return record, {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
@@ -115,8 +122,11 @@ def torch_loop(args: argparse.Namespace, steps: int, compiled: bool = False) -> 
     (``compiled``: every module of the backbone compiled first, as ``compile=True`` compiles them)."""
     from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
 
+    if not dist.is_initialized():  # a process group of one for the stages, unless a fit left its own
+        backend = "nccl" if args.accelerator == "gpu" else "gloo"
+        dist.init_process_group(backend, init_method="tcp://127.0.0.1:29533", rank=0, world_size=1)
     L.seed_everything(0)
-    device = torch.device("cuda", 0)
+    device = torch.device("cuda", 0) if args.accelerator == "gpu" else torch.device("cpu")
     model = SGDLlama(_config(args), lr=args.lr).to(device)
     backbone = model.backbone
     blocks = list(backbone)
@@ -134,14 +144,14 @@ def torch_loop(args: argparse.Namespace, steps: int, compiled: bool = False) -> 
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
     starts = []
     for x, y in _loader(args, steps):
-        torch.cuda.synchronize()
+        synchronize(args.accelerator)
         starts.append(time.perf_counter())
         x, y = x.to(device), y.to(device)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast(device.type, dtype=torch.bfloat16):
             schedule.step(x, target=y)
         optimizer.step()
         optimizer.zero_grad()
-    torch.cuda.synchronize()
+    synchronize(args.accelerator)
     starts.append(time.perf_counter())
     return starts
 
@@ -155,8 +165,6 @@ def timing(args: argparse.Namespace) -> dict[str, Any]:
     steps = args.warmup + args.steps + 1
     single, _ = fit(args, False, "bf16-mixed", steps)
     strategy, _ = fit(args, True, "bf16-mixed", steps)
-    if not dist.is_initialized():
-        dist.init_process_group("nccl", init_method="tcp://127.0.0.1:29533", rank=0, world_size=1)
     loop = torch_loop(args, steps)
     out = {
         "single_s": _median_step(single.starts, args.warmup),
@@ -178,6 +186,8 @@ def model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--accelerator", default="gpu", choices=("gpu", "cpu"),
+                   help="cpu: check that the script runs (gloo, CPU autocast), on a small --dim; no GPU figure")
 
 
 def run_arguments(p: argparse.ArgumentParser, steps: int = 20) -> None:
@@ -192,7 +202,8 @@ def run_arguments(p: argparse.ArgumentParser, steps: int = 20) -> None:
 def run_phases(args: argparse.Namespace, phases: tuple[tuple[str, Any], ...]) -> dict[str, Any]:
     """Each phase's result by name, after the device, torch and the arguments; a phase that fails is reported and the
     others run: each is a separate finding."""
-    result: dict[str, Any] = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+    device = torch.cuda.get_device_name(0) if args.accelerator == "gpu" else "cpu"
+    result: dict[str, Any] = {"device": device, "torch": torch.__version__,
                               "args": vars(args)}
     for name, phase in phases:
         try:

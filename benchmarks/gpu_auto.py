@@ -43,7 +43,7 @@ class _Lines(logging.Handler):
 def fit(args: argparse.Namespace, precision: str, **strategy: Any) -> tuple[list[float], Any, float, list[str]]:
     L.seed_everything(0)
     model = SGDLlama(_config(args), lr=args.lr)
-    record = Steps()
+    record = Steps(args.accelerator)
     handler = _Lines()
     logging.getLogger("lightning.pytorch").addHandler(handler)
     trainer = L.Trainer(accelerator=args.accelerator, devices=1, precision=precision, max_steps=args.steps,
@@ -58,7 +58,8 @@ def fit(args: argparse.Namespace, precision: str, **strategy: Any) -> tuple[list
     median = statistics.median(steps[runtime.trial_steps + 1:] or steps[-1:])
     print(f"{precision} {strategy}: {time.perf_counter() - begin:.1f} s, median step after the choice"
           f" {median * 1e3:.1f} ms", flush=True)
-    return record.losses, runtime.choice.config, median, handler.lines
+    chosen = runtime.choice.config if runtime.choice is not None else None  # None: the arguments were explicit
+    return record.losses, chosen, median, handler.lines
 
 
 def main() -> None:
@@ -66,10 +67,7 @@ def main() -> None:
     model_arguments(p)
     p.add_argument("--steps", type=int, default=24)
     p.add_argument("--out", default=None)
-    p.add_argument("--accelerator", default="gpu", help="cpu: a quick look at the mechanism, without the GPU paths")
     args = p.parse_args()
-    if args.accelerator == "cpu":
-        torch.cuda.synchronize = lambda *a, **k: None  # `Steps` synchronises the GPU
     device = torch.cuda.get_device_name(0) if args.accelerator == "gpu" else "cpu"
     results: dict[str, Any] = {"device": device, "torch": torch.__version__, "args": vars(args)}
     for precision in ("32-true", "bf16-mixed") if args.accelerator == "gpu" else ("32-true",):

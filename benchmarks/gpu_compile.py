@@ -22,8 +22,6 @@ import os
 import sys
 from typing import Any
 
-import torch.distributed as dist
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from gpu import _median_step, fit, model_arguments, run_arguments, run_phases, torch_loop, write_result
@@ -53,8 +51,6 @@ def timing(args: argparse.Namespace) -> dict[str, Any]:
         for schedule in ("Interleaved1F1B", "ZBVZeroBubble"):
             record, _ = fit(args, True, "bf16-mixed", steps, compiled=compiled, schedule=schedule)
             out[f"strategy_{schedule}_{kind}_s"] = _median_step(record.starts, args.warmup)
-        if not dist.is_initialized():
-            dist.init_process_group("nccl", init_method="tcp://127.0.0.1:29533", rank=0, world_size=1)
         out[f"torch_loop_{kind}_s"] = _median_step(torch_loop(args, steps, compiled=compiled), args.warmup)
         print({k: v for k, v in out.items() if kind in k}, flush=True)
     for kind in ("eager", "compiled"):

@@ -84,7 +84,6 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--calls", type=int, default=4)
-    p.add_argument("--accelerator", default="gpu", help="`cpu` checks the script (and the one-process paths)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     device = torch.cuda.get_device_name(0) if args.accelerator == "gpu" else "cpu"

@@ -16,12 +16,11 @@ import sys
 from typing import Any
 
 import lightning as L
-import torch
 from lightning.pytorch.callbacks import Callback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from gpu import SGDLlama, Steps, _config, _loader, _median_step, model_arguments
+from gpu import SGDLlama, Steps, _config, _loader, _median_step, model_arguments, synchronize
 
 from lightning_pipe import PipelineStrategy
 
@@ -29,17 +28,17 @@ from lightning_pipe import PipelineStrategy
 class Profiled(Callback):
     """cProfile from the start of batch ``start`` to the end of the run."""
 
-    def __init__(self, start: int) -> None:
-        self.start = start
+    def __init__(self, start: int, accelerator: str) -> None:
+        self.start, self.accelerator = start, accelerator
         self.profile = cProfile.Profile()
 
     def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
         if batch_idx == self.start:
-            torch.cuda.synchronize()
+            synchronize(self.accelerator)
             self.profile.enable()
 
     def on_train_end(self, trainer: Any, module: Any) -> None:
-        torch.cuda.synchronize()
+        synchronize(self.accelerator)
         self.profile.disable()
 
 
@@ -55,11 +54,11 @@ def main() -> None:
     args = p.parse_args()
     steps = args.warmup + args.steps
     L.seed_everything(0)
-    record, profiled = Steps(), Profiled(args.warmup)
+    record, profiled = Steps(args.accelerator), Profiled(args.warmup, args.accelerator)
     strategy = PipelineStrategy(schedule=args.schedule, stages_per_rank=2, num_microbatches=args.num_microbatches,
                                 compile=args.compile)
-    trainer = L.Trainer(accelerator="gpu", devices=1, strategy=strategy, precision="bf16-mixed", max_steps=steps,
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+    trainer = L.Trainer(accelerator=args.accelerator, devices=1, strategy=strategy, precision="bf16-mixed",
+                        max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, callbacks=[record, profiled], use_distributed_sampler=False)
     trainer.fit(SGDLlama(_config(args), lr=args.lr), _loader(args, steps))
     text = io.StringIO()

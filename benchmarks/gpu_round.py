@@ -124,7 +124,6 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--out", default=None)
     p.add_argument("--phases", default="hf,exact,timing")
-    p.add_argument("--accelerator", default="gpu", help="cpu: check the hf phase without a GPU")
     args = p.parse_args()
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     result: dict[str, Any] = {"device": device, "torch": torch.__version__, "args": vars(args)}
