@@ -2,11 +2,12 @@
 block outputs or change the hidden state between blocks, two stages on one process (``devices=1``, a multi-stage
 schedule) against the same model trained without the strategy, in fp32 and under ``bf16-mixed``.
 
-    python benchmarks/gpu_boundaries.py          # needs CUDA; prints one line per case
+    python benchmarks/gpu_boundaries.py          # prints one line per case; --accelerator cpu checks the script
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 from pathlib import Path
@@ -41,7 +42,9 @@ class DemoLM(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def fitted(cls: type, strategy: Any, precision: str) -> tuple[list[float], dict[str, torch.Tensor], float]:
+def fitted(
+    cls: type, strategy: Any, precision: str, accelerator: str
+) -> tuple[list[float], dict[str, torch.Tensor], float]:
     torch.manual_seed(0)
     module, losses = cls(), []
 
@@ -50,7 +53,7 @@ def fitted(cls: type, strategy: Any, precision: str) -> tuple[list[float], dict[
             losses.append(float(outputs["loss"]))
 
     trainer = L.Trainer(
-        accelerator="cuda", devices=1, strategy=strategy, precision=precision, max_steps=4, logger=False,
+        accelerator=accelerator, devices=1, strategy=strategy, precision=precision, max_steps=4, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[Losses()],
         gradient_clip_val=0.5, accumulate_grad_batches=2,
     )
@@ -60,14 +63,17 @@ def fitted(cls: type, strategy: Any, precision: str) -> tuple[list[float], dict[
 
 
 def main() -> None:
-    assert torch.cuda.is_available(), "needs CUDA"
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--accelerator", default="gpu", choices=("gpu", "cpu"), help="cpu: check that the script runs")
+    accelerator = p.parse_args().accelerator
+    device = torch.cuda.get_device_name() if accelerator == "gpu" else "cpu"
+    print(f"{device}, torch {torch.__version__}", flush=True)
     for cls in (DemoLM, KeepsAll, Between, SkipsOver):
         for precision in ("32-true", "bf16-mixed"):
-            want = fitted(cls, "auto", precision)
+            want = fitted(cls, "auto", precision, accelerator)
             for schedule in ("Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble"):
                 strategy = PipelineStrategy(num_microbatches=2, schedule=schedule, stages_per_rank=2)
-                got = fitted(cls, strategy, precision)
+                got = fitted(cls, strategy, precision, accelerator)
                 losses = max(abs(a - b) for a, b in zip(got[0], want[0]))
                 weights = max((got[1][k] - want[1][k]).abs().max().item() for k in want[1])
                 print(f"{cls.__name__:9s} {precision:10s} {schedule:22s} losses {losses:.1e} weights {weights:.1e}"
