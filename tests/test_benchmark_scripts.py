@@ -7,10 +7,9 @@ exactness they report is: ``gpu.py``'s fp32 pipeline against plain Lightning, an
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
+
+from helpers import run_script
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 TINY = ["--accelerator", "cpu", "--dim", "64", "--n-layers", "4", "--n-heads", "4", "--seq-len", "32",
@@ -18,16 +17,15 @@ TINY = ["--accelerator", "cpu", "--dim", "64", "--n-layers", "4", "--n-heads", "
 
 
 def _run(script: str, arguments: list[str], out: Path) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    done = subprocess.run([sys.executable, str(BENCHMARKS / script), *TINY, *arguments, "--out", str(out)],
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    done = run_script([str(BENCHMARKS / script), *TINY, *arguments, "--out", str(out)], cwd=out.parent, timeout=300,
+                      env={"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
+    assert done.returncode == 0, done.stdout[-6000:]
     return json.loads(out.read_text())
 
 
 def test_gpu_py_runs_on_cpu_and_its_fp32_pipeline_equals_plain_lightning(tmp_path: Path) -> None:
     result = _run("gpu.py", ["--warmup", "1", "--steps", "2", "--check-steps", "2"], tmp_path / "gpu.json")
-    assert result["device"] == "cpu"
+    assert result["device"] == "cpu" and "error" not in result["exactness"], result
     fp32 = result["exactness"]["32-true"]
     assert len(fp32["losses_pipeline"]) == 2
     assert fp32["max_loss_diff"] < 1e-5 and fp32["max_weight_diff"] < 1e-5, fp32
