@@ -127,16 +127,18 @@ torch (checked against 2.13.0, 2.14.1 and 2.15.0; ``pyproject.toml`` pins ``<2.1
   ``torch.overrides._get_current_function_mode``: the loss observer takes itself off the mode stack while blocks run
   only when it is on top (:func:`.torch.top_function_mode`). Neither has a public equivalent.
 
-- FSDP2 (checked against 2.13): ``fully_shard.state(module)`` and the state's ``_fsdp_param_group(s)``,
-  ``_lazy_init`` and ``_root_post_backward_final_callback``; ``FSDPParamGroup.fsdp_params`` and ``post_backward``;
-  ``FSDPParam.sharded_param``, ``unsharded_param`` (``_unsharded_param``) and ``unsharded_accumulated_grad``. The
-  public API (``set_requires_gradient_sync``, ``unshard``, ``reshard``) drives one backward per step. Sharded
-  pipeline stages defer the reduction over the microbatches and reduce in their last backward, after scaling the
-  accumulated unsharded gradients by the step's loss weights, which no public hook allows: they do what torch's own
-  ``PipelineStage.perform_reduce_grad`` does for an ``FSDPModule`` (the groups' ``post_backward``, then the root's
-  final callback), and wrap ``post_backward`` as an instance attribute of each group for the last backward
-  (:func:`.parallel.fsdp_reduce_in_backward`). FSDP's forward hooks are taken out while a stage runs on ghosts
-  (:class:`.parallel.fsdp_hooks_suspended`: ``nn.Module._forward_pre_hooks``/``_forward_hooks``).
+- FSDP2 (checked against 2.13 and 2.15): ``fully_shard.state(module)`` and the state's ``_fsdp_param_group(s)``,
+  ``_lazy_init``, ``_root_post_backward_final_callback`` and ``_state_ctx`` (from 2.15, its
+  ``manual_backward_finalization(_active)``: the callback asserts that a backward fixed the mode);
+  ``FSDPParamGroup.fsdp_params`` and ``post_backward``; ``FSDPParam.sharded_param``, ``unsharded_param``
+  (``_unsharded_param``) and ``unsharded_accumulated_grad``. The public API (``set_requires_gradient_sync``,
+  ``unshard``, ``reshard``) drives one backward per step. Sharded pipeline stages defer the reduction over the
+  microbatches and reduce in their last backward, after scaling the accumulated unsharded gradients by the step's loss
+  weights, which no public hook allows: they do what torch's own ``PipelineStage.perform_reduce_grad`` does for an
+  ``FSDPModule`` (the groups' ``post_backward``, then the root's final callback), and wrap ``post_backward`` as an
+  instance attribute of each group for the last backward (:func:`.parallel.fsdp_reduce_in_backward`). FSDP's forward
+  hooks are taken out while a stage runs on ghosts (:class:`.parallel.fsdp_hooks_suspended`:
+  ``nn.Module._forward_pre_hooks``/``_forward_hooks``).
 
 transformers (checked against 5.3 and 5.24; not a dependency, read only where the user's code imported it):
 
@@ -240,6 +242,7 @@ PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     ("torch.distributed.fsdp._fully_shard._fsdp_state", "FSDPState._fsdp_param_groups"),
     ("torch.distributed.fsdp._fully_shard._fsdp_state", "FSDPState._lazy_init"),
     ("torch.distributed.fsdp._fully_shard._fsdp_state", "FSDPState._root_post_backward_final_callback"),
+    ("torch.distributed.fsdp._fully_shard._fsdp_state", "FSDPState._state_ctx"),
     ("torch.distributed.fsdp._fully_shard._fsdp_param_group", "FSDPParamGroup.fsdp_params"),
     ("torch.distributed.fsdp._fully_shard._fsdp_param_group", "FSDPParamGroup.post_backward"),
     ("torch.distributed.fsdp._fully_shard._fsdp_param", "FSDPParam.sharded_param"),
@@ -303,4 +306,7 @@ PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
 #: moved name): counted by the source scan in ``tests/test_compat.py``, not required to exist.
 PRIVATE_NAMES_WHERE_PRESENT: tuple[tuple[str, str], ...] = (
     ("torch.distributed.pipelining.schedules", "_add_wait_send"),  # torch 2.15: .pipelining.keep_forward_actions
+    # torch 2.15: .parallel.fsdp_reduce_now
+    ("torch.distributed.fsdp._fully_shard._fsdp_state", "FSDPStateContext.manual_backward_finalization_active"),
+    ("torch.distributed.fsdp._fully_shard._fsdp_state", "FSDPStateContext.manual_backward_finalization"),
 )

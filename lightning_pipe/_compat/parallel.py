@@ -92,14 +92,14 @@ def fsdp_defer_reduction(unit: FSDPModule) -> None:
 
 def fsdp_scale_unsharded_grads(unit: FSDPModule, scale: float) -> None:
     """Multiply the unsharded gradients the unit accumulated this step by ``scale`` (before they are reduced)."""
-    grads = []
+    grads: dict[int, torch.Tensor] = {}  # by identity: from torch 2.15 the accumulated one is the ``.grad``
     for p in fsdp_params(unit):
         if p.unsharded_accumulated_grad is not None:
-            grads.append(p.unsharded_accumulated_grad)
+            grads.setdefault(id(p.unsharded_accumulated_grad), p.unsharded_accumulated_grad)
         if hasattr(p, "_unsharded_param") and p.unsharded_param.grad is not None:
-            grads.append(p.unsharded_param.grad)
+            grads.setdefault(id(p.unsharded_param.grad), p.unsharded_param.grad)
     if grads:
-        torch._foreach_mul_(grads, scale)
+        torch._foreach_mul_(list(grads.values()), scale)
 
 
 def fsdp_reduce_now(unit: FSDPModule) -> None:
@@ -111,6 +111,12 @@ def fsdp_reduce_now(unit: FSDPModule) -> None:
     state = fsdp_state(unit)
     for group in state._fsdp_param_groups:
         group.post_backward()
+    context = state._state_ctx
+    if getattr(context, "manual_backward_finalization_active", False) is None:
+        # torch 2.15: a backward fixes the finalization mode when it queues this callback, and the callback asserts
+        # it is fixed. This call runs after the step's backwards, as the callback of one: fix the mode a backward
+        # would (automatic; the stages never ask for manual finalization). The callback's end clears it again.
+        context.manual_backward_finalization_active = context.manual_backward_finalization
     state._root_post_backward_final_callback()
 
 
