@@ -11,9 +11,13 @@ import pytest
 import shapes_job
 import torch
 from helpers import merged_state, run_script
+from torch.distributed.pipelining import stage as torch_stage
 
 from lightning_pipe._step.shapes import ScheduleCache
 from lightning_pipe._step.shapes import size_map as _size_map
+
+#: torch 2.15's receive information allocates its buffer when a transfer is posted (``_RecvInfo.allocate_buffer``).
+BUFFERS_PER_TRANSFER = hasattr(torch_stage._RecvInfo, "allocate_buffer")
 
 pytestmark = pytest.mark.dist
 
@@ -61,10 +65,11 @@ def test_many_lengths_keep_few_schedules_free_the_rest_and_train_exactly(tmp_pat
             assert s["kept"] == step["kept"]
         assert stats["probe_seconds"] > 0 and stats["construct_seconds"] > 0
         # Every evicted schedule was watched, and its stages and receive buffers were freed with the cyclic
-        # collector off: a stage and at least one buffer per schedule, so the check is not vacuous.
+        # collector off: a stage and, where stages allocate their receive buffers when the schedule is built (torch
+        # 2.13 and 2.14; 2.15 allocates them per transfer), at least one buffer per schedule: not vacuous.
         assert watch[-1]["evicted_tracked"] == evicted
         assert all(step["alive_after_eviction"] == 0 for step in watch), f"rank {rank}: {watch}"
-        assert min(watch[-1]["references_per_schedule"]) >= 3
+        assert min(watch[-1]["references_per_schedule"]) >= (2 if BUFFERS_PER_TRANSFER else 3)
 
     losses = want["losses"]
     assert len(losses) == len(shapes_job.LENGTHS)
