@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import struct
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -82,7 +82,7 @@ def differs(words: torch.Tensor, group: dist.ProcessGroup) -> bool:
 def _leaves(obj: object, path: str) -> Iterator[tuple[str, object]]:
     if isinstance(obj, torch.Tensor):
         yield path, obj
-    elif isinstance(obj, dict):
+    elif isinstance(obj, Mapping):  # a dict, or Hugging Face's `BatchEncoding` (a `UserDict`)
         yield path, f"<dict:{len(obj)}>"
         for key in sorted(obj, key=repr):
             yield from _leaves(obj[key], f"{path}[{key!r}]")

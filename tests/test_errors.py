@@ -9,6 +9,8 @@ import lightning as L
 import models
 import pytest
 import torch
+import torch.nn.functional as F
+import zoo_layouts
 from helpers import run_script
 from torch import nn
 
@@ -102,6 +104,47 @@ class FrozenOutside(models.TinyLM):
 def test_bad_input_is_refused(model, strategy, batch_size, error, match):
     with pytest.raises(error, match=match):
         fit(model(), batch_size=batch_size, **strategy)
+
+
+class DropsASample(models.TinyLM):
+    """Its blocks get one row fewer than the batch has: no row of theirs is known to come from a row of the batch."""
+
+    def forward(self, x):
+        return super().forward(x[:-1])
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self(x).flatten(0, 1), y[:-1].flatten())
+
+
+def _fit_layout(name: str, **strategy) -> None:
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, strategy=PipelineStrategy(num_microbatches=4, **strategy), max_steps=1,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )
+    trainer.fit(zoo_layouts.make(name), zoo_layouts.loader(name, n=16))
+
+
+def test_batches_that_cannot_be_cut_by_rows_are_refused():
+    """Microbatches are cut from the batch's rows. Where the first block's rows do not come from the batch's rows,
+    where a tensor packs the samples in another layout, or where a backbone's containers hold different rows, the
+    first step (or setup) refuses, naming the tensors or containers and the fix."""
+    whole = r"fails on a microbatch.*reach every microbatch whole \(here: `batch\['patches'\]`"
+    with pytest.raises(BackboneCallError, match=whole + r".*pad it per sample\), or set `num_microbatches=1`"):
+        _fit_layout("packed_patches")
+    with pytest.raises(BackboneCallError, match=r"hold different numbers of rows \(`model.model.visual.blocks` \d+,"
+                                                r" `model.model.language_model.layers` 8\).*language layers"):
+        _fit_layout("qwen2_vl", backbone=["model.model.visual.blocks", "model.model.language_model.layers"])
+    with pytest.raises(BackboneCallError, match="holds 7 rows.*no tensor of the batch has 7 rows"):
+        fit(DropsASample(), num_microbatches=2)
+
+
+def test_blocks_whose_hidden_states_the_step_reads_are_refused():
+    """LLaVA reads its vision layers' hidden states, which Hugging Face records with hooks on those layers; a stage
+    that skips them would record nothing (``backbone="auto"`` leaves them out: tests/test_models.py)."""
+    recorded = r"records the outputs of the backbone blocks \['model.model.vision_tower.encoder.layers.1'"
+    with pytest.raises(BackboneCallError, match=recorded + ".*Set `backbone=` to other blocks"):
+        _fit_layout("llava", backbone="model.model.vision_tower.encoder.layers")
 
 
 def test_parameters_outside_the_backbone_are_kept_trainable_or_frozen():

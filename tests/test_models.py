@@ -16,7 +16,9 @@ Two jobs run every case, one per process count (starting processes costs more th
   Mixtral (1F1B), Qwen3-MoE (ZBVZeroBubble) and Qwen2-MoE (activation checkpointing); Hugging Face Mllama on images
   and text, its language layers of two classes (self- and cross-attention, the latter on the second stage only)
   named as the backbone (fit, validate, predict), and found by ``backbone="auto"`` with the vision layers before
-  them (Interleaved1F1B);
+  them (Interleaved1F1B); batches laid out other than a row per sample (tests/zoo_layouts.py): Qwen2-VL's images
+  packed over the batch, LLaVA's one row of pixels per image (0 to 2 per row; ZBVZeroBubble), a video model's frames
+  folded into the batch, Hugging Face ``BatchEncoding`` batches;
 - four processes: Llama and T5 resumed from the two-process checkpoints (another pipeline size), GPT-2, nanoGPT and
   Flux interleaved over 8 stages, the reused block over 4 (LoopedBFS), and the rotary GPT and T5 as 2 pipelines x 2
   replicas.
@@ -106,6 +108,14 @@ TWO = [
          fns=["fit", "validate", "predict"]),
     case("mllama_auto", "mllama", {"num_microbatches": 4, "schedule": "Interleaved1F1B"},
          trainer={"gradient_clip_val": 0.5}),
+    # batches laid out other than a row per sample (tests/zoo_layouts.py): Qwen2-VL's images packed over the batch,
+    # rows of 0 to 2 images of different sizes ("auto" takes the language layers, not the vision blocks' patches);
+    # frames folded into the batch before the blocks; Hugging Face's `BatchEncoding` batches
+    case("qwen2_vl", "qwen2_vl", {"num_microbatches": 4}, trainer=ACCUM, fns=["fit", "validate"]),
+    case("llava", "llava", {"num_microbatches": 4, "schedule": "ZBVZeroBubble"}, trainer=ACCUM,
+         fns=["fit", "validate"]),
+    case("frames", "frames", {"num_microbatches": 4, "schedule": "Interleaved1F1B"}, fns=["fit", "validate"]),
+    case("hf_llama_encoding", "hf_llama_encoding", {"num_microbatches": 4}, trainer=ACCUM, fns=["fit", "validate"]),
 ]
 FOUR = [
     case("llama_resumed", "hf_llama", {"num_microbatches": 4}, trainer={"max_epochs": 2, **ACCUM}),
@@ -215,6 +225,30 @@ def test_auto_pipelines_mllamas_language_layers_of_two_classes(two):
     layers the step runs before them: 2 + 4 blocks, not the 2 vision layers alone."""
     for r in ranks(two, "mllama_auto", 2):
         assert r["layout"][-1][1] == 6, r["layout"]
+
+
+def test_auto_leaves_qwen2_vls_vision_blocks_before_the_backbone(two):
+    """Qwen2-VL's vision blocks see the batch's image patches, its language layers the batch's rows: a pipeline cuts
+    every stage by the same rows, so ``backbone="auto"`` takes the 4 language layers, not 2 + 4 blocks, and the vision
+    tower runs before the backbone, on each microbatch's own images."""
+    for r in ranks(two, "qwen2_vl", 2):
+        assert r["layout"][-1][1] == 4, r["layout"]
+
+
+def test_auto_leaves_llavas_vision_tower_before_the_backbone(two):
+    """LLaVA's projector reads the vision layers' hidden states, which Hugging Face records with hooks on those
+    layers: a stage that skips them would record nothing, so ``backbone="auto"`` takes the 4 language layers."""
+    for r in ranks(two, "llava", 2):
+        assert r["layout"][-1][1] == 4, r["layout"]
+
+
+def test_microbatches_hold_their_share_of_folded_rows(two):
+    """Frames folded into the batch (8 videos of 3 frames: 24 rows): each of the 4 microbatches' blocks compute on 2
+    videos' 6 rows, not on the whole batch ([Note: rows folded into the batch])."""
+    want = reference(TWO[[p["name"] for p in TWO].index("frames")])
+    assert want["input_lengths"] == [24]
+    for r in ranks(two, "frames", 2):
+        assert r["input_lengths"] == [6]
 
 
 @pytest.mark.parametrize("index", range(len(FOUR)), ids=[p["name"] for p in FOUR])

@@ -4,10 +4,12 @@ Usage: ``python tests/zoo_job.py SPEC.json OUT_DIR``. The spec holds ``devices``
 after the other in the same processes (starting processes costs more than a small fit). A phase:
 
 - ``name``: where its results go (``OUT_DIR/<name>.rank<r>.pt``);
-- ``model``: a key of ``zoo.ZOO``, with ``model_kwargs``; ``meta_init``: build it on the meta device (without a
-  strategy it is then materialised with ``lightning_pipe.materialize``, as the pipeline materialises its stages);
+- ``model``: a key of ``zoo.ZOO`` or ``zoo_layouts.MODELS``, with ``model_kwargs``; ``meta_init``: build it on the
+  meta device (without a strategy it is then materialised with ``lightning_pipe.materialize``, as the pipeline
+  materialises its stages);
 - ``strategy``: ``PipelineStrategy`` kwargs, or null for the single-device reference; ``trainer``: Trainer kwargs;
-- ``data``: kwargs of ``zoo.loader``; ``fns``: ``fit``, ``validate`` and/or ``predict`` (default ``["fit"]``);
+- ``data``: kwargs of ``zoo_layouts.loader``; ``fns``: ``fit``, ``validate`` and/or ``predict`` (default
+  ``["fit"]``);
 - ``save``: a path to ``trainer.save_checkpoint`` after the fns; ``ckpt_path``: for ``fit``;
 - ``expect_error``: the phase must raise; its message is recorded. An unexpected error is recorded too (the rank's
   ``OUT_DIR/<name>.rank<r>.pt`` holds its traceback) and then stops the launch: its ranks may be out of step.
@@ -35,7 +37,7 @@ from torch.distributed.tensor import DTensor
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import zoo
+import zoo_layouts
 from helpers import plain, state_after_call
 
 from lightning_pipe import PipelineStrategy
@@ -75,13 +77,13 @@ def run_phase(phase: dict[str, Any], devices: int) -> dict[str, Any]:
     kwargs = phase.get("model_kwargs", {})
     if phase.get("meta_init"):
         with torch.device("meta"):
-            model = zoo.make(phase["model"], **kwargs)
+            model = zoo_layouts.make(phase["model"], **kwargs)
         if phase.get("strategy") is None:  # the reference: the whole model materialised as the pipeline does
             from lightning_pipe import materialize
 
             materialize(model, torch.device("cpu"))
     else:
-        model = zoo.make(phase["model"], **kwargs)
+        model = zoo_layouts.make(phase["model"], **kwargs)
     recorder = Recorder()
     trainer_kwargs: dict[str, Any] = dict(
         accelerator="cpu", devices=devices, logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -95,8 +97,8 @@ def run_phase(phase: dict[str, Any], devices: int) -> dict[str, Any]:
     trainer_kwargs.update(phase.get("trainer", {}))
     trainer = L.Trainer(**trainer_kwargs)
     data = phase.get("data", {})
-    train = zoo.loader(phase["model"], **data)
-    val = zoo.loader(phase["model"], **{**data, "seed": 1})
+    train = zoo_layouts.loader(phase["model"], **data)
+    val = zoo_layouts.loader(phase["model"], **{**data, "seed": 1})
     result: dict[str, Any] = {"error": None, "predictions": None}
     try:
         for fn in phase.get("fns", ["fit"]):

@@ -1,14 +1,15 @@
 """The batch and the step as a run sees them: a batch's rows (:func:`row_numbers`, :func:`row_span`,
-:func:`slice_batch`, :func:`rows_dim`), the loss in what the step returned (:func:`loss_of`), and the step called with
-its logging muted (:func:`call_muted`)."""
+:func:`slice_batch`, :func:`rows_dim`, :func:`hidden_rows_per_row`, :func:`left_whole`), the loss in what the step
+returned (:func:`loss_of`), and the step called with its logging muted (:func:`call_muted`)."""
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Iterator, Mapping
 from typing import Any, Callable, TypeVar
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_leaves
 
 from lightning_pipe._compat.lightning import logging_routed_to
 from lightning_pipe._errors import BackboneCallError, not_computed_by_last_stage, stop_iteration_fails
@@ -28,10 +29,84 @@ def rows_dim(hidden: tuple[int, ...], batch: Any) -> int:
     A microbatch's hidden state then holds its rows in its second dimension; its stage runs compute from the
     microbatch's rows of the batch, so only what merges the microbatches' outputs again (the last stage's output in
     evaluation) reads this."""
-    firsts = {leaf.shape[0] for leaf in tree_leaves(batch) if isinstance(leaf, Tensor) and leaf.dim() > 0}
+    firsts = {leaf.shape[0] for leaf in batch_tensors(batch) if leaf.dim() > 0}
     if hidden[0] in firsts or len(hidden) < 3 or hidden[1] not in firsts:
         return 0
     return 1
+
+
+def hidden_rows_per_row(hidden_rows: int, batch: Any) -> int:
+    """How many rows of the first block's hidden state each row of ``batch`` makes: 1 where a tensor or sequence of
+    the batch has the hidden state's rows, ``k`` where the hidden state holds ``k`` rows per row of the batch, and 0
+    where it holds neither.
+
+    [Note: rows folded into the batch]
+    A video model folds its frames into the batch before its blocks (``[batch * frames, tokens, width]``), a
+    vision-language model its images: no tensor of the batch has the hidden state's rows. The pipeline cuts the
+    hidden state into microbatches by its rows, and runs the step of each microbatch on the batch's rows that make
+    them (:func:`slice_batch`): ``k`` hidden rows per batch row, the batch's rows outermost, as a reshape of
+    ``[batch, frames, ...]`` lays them out. The batch's rows are the most rows of one of its tensors that the hidden
+    state's rows are a multiple of (not a small tensor's beside the samples, a loss's class weights, say). Whether
+    the rows are laid out so is checked on the first microbatch of every new structure of batch: its step must make
+    the microbatch's share of the hidden state's rows (:class:`~lightning_pipe._step.microbatch_rows.
+    MicrobatchRowsCheck`). A hidden state of neither kind cannot be cut from the batch's rows at all: refused,
+    naming the fix (a vision tower's patches packed over the batch's images: the language layers are the backbone
+    to pipeline, and Hugging Face's packed images are cut by their own layout, [Note: packed vision inputs])."""
+    sizes = list(_leading_sizes(batch))
+    if hidden_rows in sizes:
+        return 1
+    folded = [n for n in sizes if hidden_rows % n == 0]  # a batch of one row too: one microbatch of all its rows
+    return hidden_rows // max(folded) if folded else 0
+
+
+def _leading_sizes(batch: Any) -> Iterator[int]:
+    """The row counts :func:`slice_batch` can cut ``batch``'s leaves by, in the batch's order."""
+    if isinstance(batch, Tensor):
+        if batch.dim() > 0:
+            yield batch.shape[0]
+        return
+    if _plain_sequence(batch):
+        yield len(batch)
+    for _, value in _items(batch):
+        yield from _leading_sizes(value)
+
+
+def left_whole(batch: Any, batch_size: int, path: str = "batch") -> Iterator[tuple[str, tuple[int, ...]]]:
+    """The path and shape of each tensor of ``batch`` that :func:`slice_batch` gives every microbatch whole: one
+    whose first dimension is not ``batch_size``."""
+    if isinstance(batch, Tensor):
+        if batch.dim() > 0 and batch.shape[0] != batch_size:
+            yield path, tuple(batch.shape)
+        return
+    for key, value in _items(batch):
+        yield from left_whole(value, batch_size, f"{path}.{key}" if isinstance(key, str) and not
+                              isinstance(batch, Mapping) else f"{path}[{key!r}]")
+
+
+def batch_tensors(batch: Any) -> list[Tensor]:
+    """The tensors of ``batch``, in its order, inside the containers :func:`slice_batch` cuts (dicts and other
+    mappings, such as Hugging Face's ``BatchEncoding``; lists, tuples, named tuples; dataclasses)."""
+    if isinstance(batch, Tensor):
+        return [batch]
+    return [t for _, value in _items(batch) for t in batch_tensors(value)]
+
+
+def _items(batch: Any) -> list[tuple[Any, Any]]:
+    """The entries of a container of a batch, ``(key, value)``; none for a leaf."""
+    if isinstance(batch, Mapping):
+        return list(batch.items())
+    if isinstance(batch, (list, tuple)):
+        return list(enumerate(batch))
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        return [(f.name, getattr(batch, f.name)) for f in dataclasses.fields(batch) if f.init]
+    return []
+
+
+def _plain_sequence(batch: Any) -> bool:
+    """A list or tuple (not a named tuple) of plain values, one per row: a batch's strings, say."""
+    return isinstance(batch, (list, tuple)) and not hasattr(batch, "_fields") and bool(batch) and not any(
+        isinstance(v, (Tensor, list, tuple, Mapping)) or dataclasses.is_dataclass(v) for v in batch
+    )
 
 
 def row_numbers(batch_size: int, device: torch.device) -> Tensor:
@@ -68,15 +143,30 @@ def slice_batch(batch: Any, batch_size: int, start: int, stop: int) -> Any:
     later stage's run of the same rows on this rank."""
     if isinstance(batch, Tensor):
         return batch[start:stop].clone() if batch.dim() > 0 and batch.shape[0] == batch_size else batch
+    if _plain_sequence(batch) and len(batch) == batch_size:
+        return batch[start:stop]
+    items = _items(batch)
+    if not items:
+        return batch
+    cut = {key: slice_batch(value, batch_size, start, stop) for key, value in items}
     if isinstance(batch, dict):
-        return type(batch)((k, slice_batch(v, batch_size, start, stop)) for k, v in batch.items())
+        return type(batch)(cut.items())
+    if isinstance(batch, Mapping):  # Hugging Face's `BatchEncoding`, `BatchFeature`: a `UserDict`
+        return _mapping_like(batch, cut)
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
-        return type(batch)(*(slice_batch(v, batch_size, start, stop) for v in batch))
+        return type(batch)(*cut.values())
     if isinstance(batch, (list, tuple)):
-        if len(batch) == batch_size and not any(isinstance(v, (Tensor, list, tuple, dict)) for v in batch):
-            return batch[start:stop]
-        return type(batch)(slice_batch(v, batch_size, start, stop) for v in batch)
-    return batch
+        return type(batch)(cut.values())
+    return dataclasses.replace(batch, **cut)
+
+
+def _mapping_like(batch: Mapping, items: dict) -> Mapping:
+    """``items`` in a mapping of ``batch``'s type where it takes its items as its first argument (``UserDict``,
+    ``BatchEncoding``), else in a ``dict``."""
+    try:
+        return type(batch)(items)  # type: ignore[call-arg]
+    except Exception:
+        return items
 
 
 def loss_of(result: Any) -> Tensor:

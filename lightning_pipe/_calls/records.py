@@ -47,6 +47,11 @@ class Structure:
     #: container)
     chained: list[bool] = field(default_factory=list)
     block_io: list[Optional[BlockIO]] = field(default_factory=list)
+    #: per block: the shape of its hidden state in the analysed call
+    hidden_shapes: list[Optional[tuple[int, ...]]] = field(default_factory=list)
+    #: the blocks whose own outputs a hook on them records for the code after them (Hugging Face's
+    #: ``output_hidden_states``): a stage that skips them would record nothing
+    recorded: set[int] = field(default_factory=set)
     #: ``{producer: (position, positions that use it)}`` of every value computed from parameters, in production order
     values: dict[Producer, tuple[int, set[int]]] = field(default_factory=dict)
     unsendable: list[Unsendable] = field(default_factory=list)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import weakref
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, Callable, NoReturn, Optional, Union
 
@@ -21,7 +21,8 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves
 
-from lightning_pipe._calls.batch import call_muted, rows_dim
+from lightning_pipe._calls.batch import call_muted, hidden_rows_per_row, rows_dim, slice_batch
+from lightning_pipe._calls.packed import PackedMedia
 from lightning_pipe._calls.records import HiddenAt, Structure, get_hidden
 from lightning_pipe._calls.skipped import SkippedBlocks
 from lightning_pipe._calls.stops import BackboneNotCalledError, SecondPass, Stop
@@ -164,6 +165,10 @@ class BlockRunners(SkippedBlocks):
         self.current: Optional[BlockCalls] = None
         #: the hidden state's dimension of rows, learned by :meth:`batch_size_of` ([Note: sequence-first hidden states])
         self.rows_dim = 0
+        #: the hidden state's rows per row of the batch, learned with it ([Note: rows folded into the batch])
+        self.rows_per_row = 1
+        #: images and videos packed over the batch, cut by its rows ([Note: packed vision inputs])
+        self.packed = PackedMedia.of(module)
         runners = [Runner(self, i, backbone.module(i)) for i in range(len(backbone))]
         #: the containers' module tables with the runners in the blocks' places, swapped in while a run is in progress
         self._runner_tables = backbone.tables_with(runners)
@@ -196,9 +201,32 @@ class BlockRunners(SkippedBlocks):
         return self.rows_of(self.hidden_shape_of(step, *args, **kwargs), *args[:1])
 
     def rows_of(self, shape: tuple[int, ...], batch: Any) -> int:
-        """The rows of a call of ``batch`` whose first block's hidden state has ``shape``; learns :attr:`rows_dim`."""
+        """The rows of a call of ``batch`` whose first block's hidden state has ``shape``; learns :attr:`rows_dim` and
+        :attr:`rows_per_row`."""
         self.rows_dim = rows_dim(shape, (batch,))
-        return shape[self.rows_dim]
+        rows = shape[self.rows_dim]
+        self.rows_per_row = hidden_rows_per_row(rows, batch)
+        if not self.rows_per_row:
+            raise BackboneCallError(
+                f"The first backbone block's hidden state holds {rows} rows (its dimension {self.rows_dim}, shape"
+                f" {list(shape)}), but no tensor of the batch has {rows} rows, or a number of rows that {rows} is a"
+                " multiple of. `PipelineStrategy` cuts the hidden state into microbatches by its rows and runs each"
+                " microbatch's step on the rows of the batch that make them, so it cannot tell which rows of the"
+                " batch make which: the blocks' rows are not the batch's samples (a vision tower's patches packed"
+                " over the batch's images, for instance). Set `backbone=` to the blocks whose hidden state holds"
+                " the batch's rows (a vision-language model's language layers), so that the code that makes the"
+                " other rows runs before the backbone, on the first stage."
+            )
+        return rows
+
+    def batch_rows(self, batch: Any, batch_size: int, start: int, stop: int) -> Any:
+        """The rows of ``batch`` that make rows ``start:stop`` of the hidden state of a call of ``batch_size`` rows
+        ([Note: rows folded into the batch])."""
+        k = self.rows_per_row
+        part = slice_batch(batch, batch_size // k, start // k, stop // k)
+        if self.packed is not None and isinstance(batch, Mapping):
+            return self.packed.cut(batch, part, start // k, stop // k)
+        return part
 
     def hidden_shape_of(self, step: Callable[..., object], *args: Any, **kwargs: Any) -> tuple[int, ...]:
         """The shape of the first block's hidden state in a step's call (found on ghosts)."""

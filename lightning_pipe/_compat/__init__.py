@@ -143,8 +143,10 @@ torch (checked against 2.13.0, 2.14.1 and 2.15.0; ``pyproject.toml`` pins ``<2.1
 transformers (checked against 5.3 and 5.24; not a dependency, read only where the user's code imported it):
 
 - ``PreTrainedModel._output_capturing_hooks_installed``: the mark of a model whose output-capturing hooks are
-  installed (:mod:`.transformers`); ``PreTrainedModel._init_weights``: a model's own initialisation of modules that
-  have no ``reset_parameters`` (``_model/materialize.py``). The cache classes are reached through their public
+  installed (:mod:`.transformers`); ``output_capturing._active_collector``: what a forward records now, read while
+  the setup's analysis calls a block, to find blocks whose own outputs are recorded (``output_hidden_states``);
+  ``PreTrainedModel._init_weights``: a model's own initialisation of modules that have no ``reset_parameters``
+  (``_model/materialize.py``). The cache classes are reached through their public
   ``layers``, ``keys``/``values`` and ``layer_class_to_replicate`` (``_step/caches.py``).
 
 torchmetrics (checked against 1.9; the dependency is pinned below 2):
@@ -300,6 +302,8 @@ PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     ("transformers", "PreTrainedModel._init_weights"),
     # _compat/transformers.py: the mark this module's functions set on a model
     ("transformers.utils.output_capturing", "_output_capturing_hooks_installed"),
+    # _compat/transformers.py: what a `capture_outputs` forward records now (the blocks whose outputs it records)
+    ("transformers.utils.output_capturing", "_active_collector"),
 )
 
 #: Private names looked up only where the installed release has them (a missing one is a supported release, not a

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Callable, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import torch
 
@@ -240,8 +240,10 @@ def fully_shard_recorded(
 # `fully_shard` swaps the class for `FSDP<Class>`, adds forward and state-dict hooks, stores its state in the
 # module's `__dict__` (`contract`'s registry) and in `torch.distributed._composable_state._module_state_mapping`;
 # `parallelize_module` adds forward hooks. So the setup takes a snapshot of every module's class, hook tables and
-# `__dict__` keys before it parallelizes, and `restore_modules` puts them back (parameters are set afterwards by the
-# caller). Checked against torch 2.13, 2.14 and 2.15.
+# `__dict__` keys before it parallelizes and of the hooks it added, and `restore_modules` takes those hooks out and
+# puts the rest back (parameters are set afterwards by the caller); hooks added after the parallelization stay:
+# Hugging Face's output-capturing hooks, installed at a model's first forward that records, with a mark on the model
+# that it would not install them again. Checked against torch 2.13, 2.14 and 2.15.
 _HOOK_TABLES = (
     "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
     "_forward_hooks_always_called", "_backward_pre_hooks", "_backward_hooks", "_state_dict_pre_hooks",
@@ -255,12 +257,22 @@ _PARALLEL_MARKS = ("_distribute_module_applied",)
 
 
 class ModuleSnapshot:
-    """Each module's class, hook tables and ``__dict__`` keys as they were (:func:`restore_modules`)."""
+    """Each module's class, hook tables and ``__dict__`` keys as they were (:func:`restore_modules`), and, once
+    :meth:`parallelized`, the hooks the parallelization added: only those are taken out again, so that hooks added
+    later stay (Hugging Face installs its output-capturing hooks at a model's first forward that records)."""
 
     def __init__(self, module: torch.nn.Module) -> None:
         self.entries = [
             (m, type(m), {t: dict(getattr(m, t)) for t in _HOOK_TABLES if hasattr(m, t)}, set(m.__dict__))
             for m in module.modules()
+        ]
+        self.added: Optional[list[dict[str, set]]] = None
+
+    def parallelized(self) -> None:
+        """The parallelization is done: remember the hooks it added."""
+        self.added = [
+            {name: set(getattr(m, name)) - set(before) for name, before in tables.items()}
+            for m, _, tables, _ in self.entries
         ]
 
 
@@ -269,13 +281,17 @@ def restore_modules(snapshot: ModuleSnapshot) -> None:
     for it, so that ``fully_shard`` may be applied to it again ([Note: undoing a stage's parallelization])."""
     from torch.distributed import _composable_state
 
-    for m, cls, tables, keys in snapshot.entries:
+    for i, (m, cls, tables, keys) in enumerate(snapshot.entries):
         _composable_state._module_state_mapping.pop(m, None)
         if type(m) is not cls:
             m.__class__ = cls
         for name, before in tables.items():
             table = getattr(m, name)
-            table.clear()
+            if snapshot.added is None:
+                table.clear()
+            else:
+                for key in snapshot.added[i][name]:
+                    table.pop(key, None)
             table.update(before)
         for key in [k for k in m.__dict__ if k not in keys and (k.startswith("__") or k in _PARALLEL_MARKS)]:
             del m.__dict__[key]

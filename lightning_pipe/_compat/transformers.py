@@ -1,4 +1,5 @@
-"""Hugging Face ``transformers``' output capturing, installed before the pipeline swaps the blocks out.
+"""Hugging Face ``transformers``' output capturing, installed before the pipeline swaps the blocks out,
+and what it records of the blocks' own outputs.
 
 ``transformers`` (5.x, checked against 5.24) records extra outputs (router logits, attentions, hidden states) with
 forward hooks that ``capture_outputs`` installs lazily, at a model's first forward that records one, on the modules
@@ -13,7 +14,7 @@ dependency: nothing is imported that the user's code has not imported.
 from __future__ import annotations
 
 import sys
-from typing import Callable
+from typing import Callable, Optional
 
 from torch import nn
 
@@ -52,3 +53,37 @@ def install_output_capturing(module: nn.Module) -> Callable[[], None]:
             setattr(m, _INSTALLED, False)
 
     return undo
+
+
+def recorded_outputs() -> Optional[dict]:
+    """What ``transformers`` is recording now (``{"hidden_states": [...], ...}``: the collector a ``capture_outputs``
+    forward opened, which the hooks append to), or None.
+
+    A step that asks a model for its layers' hidden states (``output_hidden_states=True``, or LLaVA's vision tower
+    asked for ``hidden_states[vision_feature_layer]``) gets them from hooks on the blocks themselves. A pipeline stage
+    skips the blocks of the other stages, whose hooks then record nothing: the setup's analysis looks here to find the
+    blocks whose own outputs are recorded, and keeps them out of the pipeline (``_model/split.py``)."""
+    capturing = sys.modules.get("transformers.utils.output_capturing")
+    collector = getattr(capturing, "_active_collector", None)
+    return collector.get() if collector is not None else None
+
+
+def newly_recorded(before: Optional[dict[str, int]], value: object) -> bool:
+    """Whether ``value`` was appended to what :func:`recorded_outputs` records since it held ``before`` (``{key: its
+    length}``)."""
+    collected = recorded_outputs()
+    if before is None or not collected:
+        return False
+    return any(
+        any(item is value for item in entries[before.get(key, 0):])
+        for key, entries in collected.items() if isinstance(entries, list)
+    )
+
+
+def recording_lengths() -> Optional[dict[str, int]]:
+    """``{key: length}`` of what :func:`recorded_outputs` records now, or None when nothing is recorded."""
+    collected = recorded_outputs()
+    if not collected:
+        return None
+    return {key: len(entries) for key, entries in collected.items() if isinstance(entries, list)}
+

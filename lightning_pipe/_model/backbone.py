@@ -78,7 +78,8 @@ class Backbone:
 
 
 def find_backbone(
-    module: nn.Module, spec: Union[str, Sequence[str]] = "auto", runs: Optional[Collection[str]] = None
+    module: nn.Module, spec: Union[str, Sequence[str]] = "auto", runs: Optional[Collection[str]] = None,
+    recorded: Collection[str] = (),
 ) -> Backbone:
     """The backbone of ``module``: the container(s) at the dotted path(s) ``spec``, or found (``"auto"``).
 
@@ -88,10 +89,11 @@ def find_backbone(
     tie. It logs its choice. (Before that, ``_model/split.py`` tries every candidate together, kept when the step
     runs them one after the other: :func:`consecutive_candidates`.) ``runs``: the candidates the step runs, where
     ``_model/split.py`` found out; auto chooses among those only (a vision-language model's vision layers are no
-    candidate for a step on text-only rows).
+    candidate for a step on text-only rows). ``recorded``: candidates whose blocks' own outputs the step records
+    (Hugging Face's hidden states), which auto leaves out too.
     """
     if isinstance(spec, str) and spec == "auto":
-        paths = _auto_paths(module, runs)
+        paths = _auto_paths(module, runs, recorded)
     else:
         paths = [spec] if isinstance(spec, str) else list(spec)
         if not paths:
@@ -125,15 +127,16 @@ def consecutive_candidates(module: nn.Module) -> Optional[list[str]]:
     return [name for name, _ in candidates] if len(candidates) > 1 else None
 
 
-def _auto_paths(module: nn.Module, runs: Optional[Collection[str]] = None) -> list[str]:
+def _auto_paths(module: nn.Module, runs: Optional[Collection[str]] = None, recorded: Collection[str] = ()) -> list[str]:
     own = getattr(module, "backbone", None)
     if isinstance(own, _CONTAINERS):
         return ["backbone"]
     candidates = _repeated_containers(module)
     idle = [name for name, _ in candidates if runs is not None and name not in runs]
-    if len(idle) == len(candidates):  # the step runs none of them: the refusal names the one chosen
-        idle = []
-    candidates = [(name, c) for name, c in candidates if name not in idle]
+    records = [name for name in recorded if name not in idle]
+    if len(idle) + len(records) == len(candidates):  # none is left: the refusal names the one chosen
+        idle, records = [], []
+    candidates = [(name, c) for name, c in candidates if name not in idle and name not in records]
     if not candidates:
         found = [n for n, m in module.named_modules() if n and isinstance(m, _CONTAINERS)]
         hint = f" Containers found: {found[:8]}." if found else " The module has no nn.Sequential or nn.ModuleList."
@@ -144,6 +147,9 @@ def _auto_paths(module: nn.Module, runs: Optional[Collection[str]] = None) -> li
         )
     name, container = _choose(module, candidates)
     unused = f" (the step does not run {', '.join(f'`{n}`' for n in idle)})" if idle else ""
+    if records:
+        unused += (f" (not {', '.join(f'`{n}`' for n in records)}: the step records its blocks' outputs, Hugging Face's"
+                   " hidden states, which a stage that skips them cannot)")
     rank_zero_info(
         f"PipelineStrategy: pipelining `{name}` ({_describe(container)}), which holds {_share(module, container)} of"
         f" the parameters{unused}; set `backbone=` to choose another."

@@ -134,6 +134,7 @@ def parallelize_stage(
             module, cut, pipeline_rank=rank, mesh=sharded.mesh, options=sharded.options, device=device, prepare=prepare,
             parallelize=blocks, parallelize_outside=outside,
         )
+    snapshot.parallelized()
     record = StageParallelism(owner=owner, tensor_parallel=split is not None, sharding=sharding, snapshot=snapshot)
     cut.parallelism = record
     return record

@@ -25,7 +25,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from lightning_pipe._calls.batch import loss_of, slice_batch
+from lightning_pipe._calls.batch import loss_of
 from lightning_pipe._calls.records import HiddenAt, Structure, replace_hidden
 from lightning_pipe._calls.runners import BlockCalls, BlockRunners
 from lightning_pipe._lightning.hooks import STEP_HOOKS, step_args
@@ -110,8 +110,8 @@ def measure_backbone(
     if not dist.is_initialized() or dist.get_rank() == 0:
         program = BlockRunners(module, backbone, structure, device)
         batch_size = program.batch_size_of(step, batch, *rest)
-        rows = batch_size // microbatches_for(batch_size)
-        sub_args = (slice_batch(batch, batch_size, 0, rows), *rest)
+        rows = batch_size // microbatches_for(batch_size // program.rows_per_row)
+        sub_args = (program.batch_rows(batch, batch_size, 0, rows), *rest)
         samples: list[_Profiled] = []
         with untouched(module, device, drop_grads=True), step_context():
             for attempt in range(repeats + 1):

@@ -20,6 +20,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torchmetrics import Metric
 
+from lightning_pipe._calls.batch import rows_dim
 from lightning_pipe._calls.records import Structure
 from lightning_pipe._calls.stops import BackboneNotCalledError
 from lightning_pipe._errors import BackboneCallError
@@ -150,16 +151,50 @@ def _backbone_of(
             return found
     tried = {} if candidates is None else _candidates_run(module, candidates, step, args,
                                                           device=device, fitting=fitting)
-    ran = [path for path in candidates or () if tried.get(path) is not None]
+    recorded = [path for path, found in tried.items() if found is not None and found[1].recorded]
+    ran = [path for path in candidates or () if tried.get(path) is not None and path not in recorded]
     if 1 < len(ran) < len(candidates or ()):  # the step runs only some of them (a text-only step, no vision tower)
         found = _consecutive(module, ran, step, args, device=device, fitting=fitting)
         if found is not None:
             return found
-    backbone = find_backbone(module, spec, runs=tried or None)
+    backbone = find_backbone(module, spec, runs=tried or None, recorded=recorded)
     one = tried.get(backbone.paths[0]) if len(backbone.paths) == 1 else None
+    structure = one[1] if one is not None else analyze(module, backbone, step, args, device, training=fitting)
+    if structure.recorded:
+        names = [backbone.blocks[i].name for i in sorted(structure.recorded)]
+        raise BackboneCallError(
+            f"`PipelineStrategy`: the step records the outputs of the backbone blocks {names[:3]}"
+            f"{' ...' if len(names) > 3 else ''} (Hugging Face's hidden states: `output_hidden_states=True`, or a"
+            " vision-language model that reads its vision tower's layers, as LLaVA's `vision_feature_layer` does)."
+            " A pipeline stage skips the other stages' blocks, so no rank would record them all. Set `backbone=` to"
+            " other blocks (a vision-language model's language layers: its vision tower then runs before the"
+            " backbone, on the first stage), or do not ask the pipelined blocks for their hidden states."
+        )
     if one is not None:
         return one
-    return backbone, analyze(module, backbone, step, args, device, training=fitting)
+    rows = container_rows(backbone, structure, args)
+    if len(set(rows.values())) > 1:
+        held = ", ".join(f"`{path}` {n}" for path, n in rows.items())
+        raise BackboneCallError(
+            f"`PipelineStrategy(backbone={list(backbone.paths)})`: the containers' hidden states hold different numbers"
+            f" of rows ({held}), but a pipeline cuts every stage's hidden state into microbatches by the same rows."
+            " The blocks of one of them see the batch's samples in other units (a vision tower's images or patches)."
+            " Set `backbone=` to the containers whose hidden state holds the batch's rows (a vision-language model's"
+            " language layers); the others then run before the backbone, on the first stage."
+        )
+    return backbone, structure
+
+
+def container_rows(backbone: Backbone, structure: Structure, args: tuple) -> dict[str, int]:
+    """The rows of each container's hidden state in the analysed call: those of its first block's
+    ([Note: sequence-first hidden states])."""
+    rows: dict[str, int] = {}
+    for block in backbone.blocks:
+        shape = structure.hidden_shapes[block.index] if block.index < len(structure.hidden_shapes) else None
+        path = backbone.paths[block.container]
+        if shape and path not in rows:
+            rows[path] = shape[rows_dim(shape, args[:1])]
+    return rows
 
 
 def _consecutive(
@@ -177,6 +212,13 @@ def _consecutive(
     starts = {b.index for b in backbone.blocks if b.key == next(iter(backbone.containers[b.container]._modules))}
     if not all(structure.chained[i] for i in range(len(backbone)) if i not in starts):
         log.debug("backbone='auto': within %s, a block does not take the one before's output", paths)
+        return None
+    rows = container_rows(backbone, structure, args)
+    if len(set(rows.values())) > 1:  # a vision tower's patches, then the language layers' samples
+        log.debug("backbone='auto': %s hold different rows (%s)", paths, rows)
+        return None
+    if structure.recorded:  # LLaVA's vision tower: the step reads its layers' hidden states
+        log.debug("backbone='auto': the step records the outputs of blocks %s", sorted(structure.recorded))
         return None
     rank_zero_info(
         f"PipelineStrategy: pipelining {backbone.describe()}, which the step runs one after the other; set"

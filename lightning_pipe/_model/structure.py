@@ -34,7 +34,7 @@ from lightning_pipe._calls.batch import call_muted
 from lightning_pipe._calls.records import BlockIO, HiddenAt, OutputKind, Structure, replace_hidden
 from lightning_pipe._calls.runners import BlockCalls, BlockRunners, Runner, never_called
 from lightning_pipe._calls.stops import SecondPass
-from lightning_pipe._compat.transformers import install_output_capturing
+from lightning_pipe._compat.transformers import install_output_capturing, newly_recorded, recording_lengths
 from lightning_pipe._errors import BackboneCallError
 from lightning_pipe._ghost import Ghost, GhostValueError, ghost_of
 from lightning_pipe._lightning.metrics import metrics_set_aside, module_metrics
@@ -105,7 +105,8 @@ class _Analysis(BlockCalls):
     def __init__(self, module: nn.Module, backbone: Backbone, device: torch.device) -> None:
         n = len(backbone)
         structure = Structure(
-            hidden_at=[("arg", 0)] * n, outputs=[None] * n, chained=[True] * n, block_io=[None] * n
+            hidden_at=[("arg", 0)] * n, outputs=[None] * n, chained=[True] * n, block_io=[None] * n,
+            hidden_shapes=[None] * n,
         )
         program = BlockRunners(module, backbone, structure, device)
         super().__init__(program)
@@ -219,6 +220,7 @@ class _Analysis(BlockCalls):
                 f"Block `{backbone.blocks[index].name}` gets a {type(hidden).__name__} as its hidden state; a pipeline"
                 " sends tensors between stages. Pass the hidden state as a tensor (the block's first argument)."
             )
+        self.structure.hidden_shapes[index] = tuple(hidden.shape)
         position = block_position(index)
         for leaf in tree_leaves((args, kwargs)):
             ghostly = isinstance(leaf, Ghost) and id(leaf) not in self.ghost_params
@@ -228,8 +230,12 @@ class _Analysis(BlockCalls):
             args, kwargs = replace_hidden(args, kwargs, at, ghost_of(hidden, self.device))
         shapes = tuple(tuple(t.shape) for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor))
         self.in_block = True
+        recording = recording_lengths()  # Hugging Face's hidden states: recorded by hooks on the blocks themselves
         try:
             out = block(*args, **kwargs)
+            returned = (out, *(out if isinstance(out, (tuple, list)) else ()))
+            if any(newly_recorded(recording, value) for value in returned):
+                self.structure.recorded.add(index)
         except (GhostValueError, RuntimeError, NotImplementedError, TypeError) as err:
             # The block cannot run on ghosts (e.g. data-dependent routing): assume it returns what an earlier block
             # of its class returned, or its hidden state's kind and shape, and check what it really returns when it

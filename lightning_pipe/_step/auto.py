@@ -44,6 +44,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
 from lightning_pipe._bytes import format_bytes
+from lightning_pipe._calls.batch import batch_tensors
 from lightning_pipe._compiled import compiled
 from lightning_pipe._simulate import ACTION_OVERHEAD_S, StageCosts, peak_memory, simulate
 from lightning_pipe._step.microbatches import default_num_microbatches, divisors, largest_divisor_at_most
@@ -431,12 +432,9 @@ class Chooser:
         """Block costs from parameter counts (a microsecond per thousand, forward, input and weight gradient
         alike) for the whole first batch, nothing saved: only their ratios matter, the trial fits the scale. The
         batch size is the first batch tensor's first dimension."""
-        from torch.utils._pytree import tree_leaves
-
         from lightning_pipe._model.profile import BlockCost
 
-        batch_size = next((int(t.shape[0]) for t in tree_leaves(args[0]) if isinstance(t, torch.Tensor) and t.dim()),
-                          1)
+        batch_size = next((int(t.shape[0]) for t in batch_tensors(args[0]) if t.dim()), 1)
         return [
             BlockCost(c * 1e-9, c * 1e-9, c * 1e-9, 0, rows=batch_size, batch_size=batch_size) for c in parameter_costs
         ]

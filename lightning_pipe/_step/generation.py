@@ -45,7 +45,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import TreeSpec, tree_leaves
 
 from lightning_pipe import _watchdog
-from lightning_pipe._calls.batch import rows_dim, slice_batch
+from lightning_pipe._calls.batch import rows_dim
 from lightning_pipe._compat.torch import Swaps
 from lightning_pipe._errors import BackboneCallError
 from lightning_pipe._ghost import GhostValueError, contains_ghost
@@ -130,7 +130,7 @@ class LockStep:
         expected = list(whole)
         expected[rows_dim(whole, args[:1])] = rows  # [Note: sequence-first hidden states]
         for start in range(0, batch_size, rows):
-            part = slice_batch(args[0], batch_size, start, start + rows)
+            part = program.batch_rows(args[0], batch_size, start, start + rows)
             if program.hidden_shape_of(step, part, *args[1:], **kwargs) != tuple(expected):
                 return False
         self._rows_checked.add(_name(step))
@@ -237,6 +237,14 @@ class LockStep:
         check_no_ghosts(module, args, kwargs)
         first, shape = program.first_call_of(call, (args, kwargs))
         batch_size = program.rows_of(shape, (args, kwargs))
+        if program.rows_per_row != 1:
+            raise BackboneCallError(
+                f"A generation pass's first backbone block gets a hidden state of {batch_size} rows,"
+                f" {program.rows_per_row} for each row of the call's inputs (frames or images folded into the batch)."
+                " `PipelineStrategy` cuts a generation pass by its inputs' rows, which it cannot do here. Set"
+                " `backbone=` to the blocks whose hidden state holds one row per row of the inputs (a vision-language"
+                " model's language layers)."
+            )
         num_microbatches = runtime.microbatches.for_batch(batch_size)
         inputs = PassInputs(module, args, kwargs, batch_size, self.caches, states=self.states)
         for value in (*args, *kwargs.values()):

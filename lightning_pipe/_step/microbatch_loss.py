@@ -57,8 +57,8 @@ class MicrobatchLoss:
         self._observer: Optional[MeanObserver] = None
 
     @contextmanager
-    def around_step(self, rows: Tensor) -> Iterator[None]:
-        self.recorder.start(len(rows))
+    def around_step(self, rows: int) -> Iterator[None]:
+        self.recorder.start(rows)
         with self.recorder.installed(self.module), self.weighing.observing() as observer:
             self._observer = observer
             yield

@@ -35,10 +35,9 @@ from torch.distributed.pipelining.schedules import (
     ScheduleLoopedBFS,
     get_schedule_class,
 )
-from torch.utils._pytree import tree_leaves
 
 from lightning_pipe import _watchdog
-from lightning_pipe._calls.batch import row_numbers
+from lightning_pipe._calls.batch import batch_tensors, row_numbers
 from lightning_pipe._compat.pipelining import (
     keep_forward_actions,
     merged_param_groups,
@@ -343,7 +342,7 @@ class StagePipeline:
         self, sample: Any, batch_size: int, num_microbatches: int, training: bool, kind: Optional[tuple] = None
     ) -> tuple:
         rows = batch_size // num_microbatches
-        shapes = tuple((tuple(t.shape), t.dtype) for t in tree_leaves(sample) if isinstance(t, torch.Tensor))
+        shapes = tuple((tuple(t.shape), t.dtype) for t in batch_tensors(sample))
         return rows, shapes, num_microbatches, training, torch.is_autocast_enabled(self.device.type), kind
 
     def _schedule_for(self, key: tuple) -> _Schedule:

@@ -37,7 +37,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
-from lightning_pipe._calls.batch import Result, call_muted, row_span, slice_batch
+from lightning_pipe._calls.batch import Result, call_muted, row_span
 from lightning_pipe._calls.records import HiddenAt, Structure, replace_hidden
 from lightning_pipe._calls.runners import BlockCalls, BlockRunners, never_called
 from lightning_pipe._calls.stops import Stop
@@ -57,8 +57,8 @@ class StageLoss(Protocol):
     """What the last stage of a training step runs the user's step inside ([Note: the last stage's loss]): the
     runtime's loss weighting, log recording and loss observation."""
 
-    def around_step(self, rows: Tensor) -> AbstractContextManager[object]:
-        """Entered around one microbatch's step (``rows``: the batch rows it holds)."""
+    def around_step(self, rows: int) -> AbstractContextManager[object]:
+        """Entered around one microbatch's step (``rows``: how many of the batch's rows it holds)."""
 
     def around_block(self) -> AbstractContextManager[object]:
         """Entered around each block call of the stage, run or skipped: what ``around_step`` watches is paused there."""
@@ -182,7 +182,7 @@ class StepProgram(BlockRunners):
         rows_of = getattr(self.batch, "lp_rows", None)  # a generation pass's inputs slice themselves
         if rows_of is not None:
             return rows_of(start, stop, self.probing_shapes)
-        return slice_batch(self.batch, self.batch_size, start, stop)
+        return self.batch_rows(self.batch, self.batch_size, start, stop)
 
     # ------------------------------------------------------------------------------------------------ the modes
     def run_stage(
@@ -242,7 +242,7 @@ class StepProgram(BlockRunners):
         assert self.step is not None
         run = _Window(self, first, len(self.backbone), given, (), probing=False, stage=stage, loss=loss)
         batch = self.sub_batch(rows)  # before the loss observer: slicing the batch is the runtime's, not the loss's
-        with self.running(run, swaps=stage), stop_iteration_fails(), loss.around_step(rows):
+        with self.running(run, swaps=stage), stop_iteration_fails(), loss.around_step(len(rows) // self.rows_per_row):
             result = self.step(batch, *self.step_args, **self.step_kwargs)
         if not run.after_backbone:
             raise never_called(run)

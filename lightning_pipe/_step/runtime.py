@@ -67,6 +67,7 @@ from lightning_pipe._step.gradients import Gradients
 from lightning_pipe._step.last_backward import ReductionOverlap
 from lightning_pipe._step.loss_weights import LossWeighing, warn_unweighted
 from lightning_pipe._step.microbatch_loss import MicrobatchLoss
+from lightning_pipe._step.microbatch_rows import MicrobatchRowsCheck
 from lightning_pipe._step.microbatches import MicrobatchPolicy
 from lightning_pipe._step.pipeline import StageModule, StagePipeline
 from lightning_pipe._step.program import StepProgram
@@ -192,6 +193,7 @@ class PipelineRuntime:
         self._trainable_checked: Optional[int] = None
         self._mean_warned = False
         self.lock_step = LockStep(self)  # evaluation steps that generate ([Note: lock step])
+        self.check_rows = MicrobatchRowsCheck(self.program)  # [Note: rows folded into the batch]
         self.trial = trial  # `schedule="auto"`'s first steps ([Note: configuration by measurement])
         self.trial_steps = 0  # how many they were, once chosen
         if trial is not None and trial.chosen is not None:  # one candidate: nothing to time
@@ -283,7 +285,7 @@ class PipelineRuntime:
         self.same_data("training", batch, rest, kwargs)
         step = module.training_step
         batch_size = program.batch_size_of(step, batch, *rest, **kwargs)
-        num_microbatches = self.microbatches.for_batch(batch_size)
+        num_microbatches = self.microbatches.for_batch(batch_size // program.rows_per_row)
         # Lightning divides the returned loss by `accumulate_grad_batches` and back-propagates that; the schedule
         # back-propagates each microbatch loss, so scale it by the same factor and by the microbatch count.
         grad_scale = 1.0 / (num_microbatches * module.trainer.accumulate_grad_batches)
@@ -304,6 +306,8 @@ class PipelineRuntime:
         channel.expect(pipeline.has_last_stage)
         with program.holding(step, batch, batch_size, *rest, **kwargs), program.computing_loss(losses):
             sample = program.sub_batch(torch.arange(batch_size // num_microbatches))
+            self.check_rows(step, batch, sample, rest=rest, kwargs=kwargs, batch_size=batch_size,
+                            num_microbatches=num_microbatches)
             with per_batch_metrics(metrics, num_microbatches), self.gradients.computed_aside():
                 self._sync_buffers()
                 if self.overlap is not None:
@@ -334,7 +338,7 @@ class PipelineRuntime:
         if self.lock_step.generates(step):  # [Note: lock step]
             return self._generate(step, *args, **kwargs)
         batch_size = program.batch_size_of(step, *args, **kwargs)
-        num_microbatches = self.microbatches.for_batch(batch_size)
+        num_microbatches = self.microbatches.for_batch(batch_size // program.rows_per_row)
         if not self.lock_step.splits_by_rows(step, batch_size, num_microbatches, *args, **kwargs):
             self.lock_step.learn(step)  # its model calls' rows are not the batch's: in lock step
             return self._generate(step, *args, **kwargs)
@@ -346,7 +350,7 @@ class PipelineRuntime:
                 output = pipeline.eval_step(sample, batch_size, num_microbatches, rows_dim=program.rows_dim)
             if pipeline.has_last_stage:
                 recorder = LogRecorder()
-                recorder.start(batch_size)
+                recorder.start(batch_size // program.rows_per_row)
                 try:
                     with recorder.installed(module), metrics_undone_on(SecondPass, module_metrics(module)):
                         result = program.run_answering(output, step, *args, **kwargs)
