@@ -165,8 +165,10 @@ class BlockRunners(SkippedBlocks):
         self.current: Optional[BlockCalls] = None
         #: the hidden state's dimension of rows, learned by :meth:`batch_size_of` ([Note: sequence-first hidden states])
         self.rows_dim = 0
-        #: the hidden state's rows per row of the batch, learned with it ([Note: rows folded into the batch])
+        #: the hidden state's rows per row of the batch, learned with it (0: none; [Note: rows folded into the
+        #: batch]), and the hidden state's shape
         self.rows_per_row = 1
+        self.hidden_shape: tuple[int, ...] = ()
         #: images and videos packed over the batch, cut by its rows ([Note: packed vision inputs])
         self.packed = PackedMedia.of(module)
         runners = [Runner(self, i, backbone.module(i)) for i in range(len(backbone))]
@@ -204,25 +206,32 @@ class BlockRunners(SkippedBlocks):
         """The rows of a call of ``batch`` whose first block's hidden state has ``shape``; learns :attr:`rows_dim` and
         :attr:`rows_per_row`."""
         self.rows_dim = rows_dim(shape, (batch,))
-        rows = shape[self.rows_dim]
-        self.rows_per_row = hidden_rows_per_row(rows, batch)
+        self.rows_per_row = hidden_rows_per_row(shape[self.rows_dim], batch)
+        self.hidden_shape = shape
+        return shape[self.rows_dim]
+
+    @property
+    def batch_rows_count(self) -> int:
+        """How many rows of the batch the call learned by :meth:`rows_of` has: its hidden state's rows, or as many of
+        them as the batch's rows make ([Note: rows folded into the batch]); refused where they make none."""
         if not self.rows_per_row:
+            rows = self.hidden_shape[self.rows_dim]
             raise BackboneCallError(
                 f"The first backbone block's hidden state holds {rows} rows (its dimension {self.rows_dim}, shape"
-                f" {list(shape)}), but no tensor of the batch has {rows} rows, or a number of rows that {rows} is a"
-                " multiple of. `PipelineStrategy` cuts the hidden state into microbatches by its rows and runs each"
-                " microbatch's step on the rows of the batch that make them, so it cannot tell which rows of the"
-                " batch make which: the blocks' rows are not the batch's samples (a vision tower's patches packed"
-                " over the batch's images, for instance). Set `backbone=` to the blocks whose hidden state holds"
-                " the batch's rows (a vision-language model's language layers), so that the code that makes the"
-                " other rows runs before the backbone, on the first stage."
+                f" {list(self.hidden_shape)}), but no tensor of the batch has {rows} rows, or a number of rows that"
+                f" {rows} is a multiple of. `PipelineStrategy` cuts the hidden state into microbatches by its rows and"
+                " runs each microbatch's step on the rows of the batch that make them, so it cannot tell which rows of"
+                " the batch make which: the blocks' rows are not the batch's samples (a vision tower's patches packed"
+                " over the batch's images, for instance). Set `backbone=` to the blocks whose hidden state holds the"
+                " batch's rows (a vision-language model's language layers), so that the code that makes the other"
+                " rows runs before the backbone, on the first stage."
             )
-        return rows
+        return self.hidden_shape[self.rows_dim] // self.rows_per_row
 
     def batch_rows(self, batch: Any, batch_size: int, start: int, stop: int) -> Any:
         """The rows of ``batch`` that make rows ``start:stop`` of the hidden state of a call of ``batch_size`` rows
-        ([Note: rows folded into the batch])."""
-        k = self.rows_per_row
+        ([Note: rows folded into the batch]); every row where none of the batch makes them."""
+        k = self.rows_per_row or 1
         part = slice_batch(batch, batch_size // k, start // k, stop // k)
         if self.packed is not None and isinstance(batch, Mapping):
             return self.packed.cut(batch, part, start // k, stop // k)

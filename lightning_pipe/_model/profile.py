@@ -110,7 +110,7 @@ def measure_backbone(
     if not dist.is_initialized() or dist.get_rank() == 0:
         program = BlockRunners(module, backbone, structure, device)
         batch_size = program.batch_size_of(step, batch, *rest)
-        rows = batch_size // microbatches_for(batch_size // program.rows_per_row)
+        rows = batch_size // microbatches_for(program.batch_rows_count)
         sub_args = (program.batch_rows(batch, batch_size, 0, rows), *rest)
         samples: list[_Profiled] = []
         with untouched(module, device, drop_grads=True), step_context():

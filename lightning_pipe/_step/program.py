@@ -242,7 +242,8 @@ class StepProgram(BlockRunners):
         assert self.step is not None
         run = _Window(self, first, len(self.backbone), given, (), probing=False, stage=stage, loss=loss)
         batch = self.sub_batch(rows)  # before the loss observer: slicing the batch is the runtime's, not the loss's
-        with self.running(run, swaps=stage), stop_iteration_fails(), loss.around_step(len(rows) // self.rows_per_row):
+        held = len(rows) // (self.rows_per_row or 1)  # the batch's rows, as Lightning counts a microbatch's size
+        with self.running(run, swaps=stage), stop_iteration_fails(), loss.around_step(held):
             result = self.step(batch, *self.step_args, **self.step_kwargs)
         if not run.after_backbone:
             raise never_called(run)

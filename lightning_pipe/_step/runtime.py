@@ -285,7 +285,7 @@ class PipelineRuntime:
         self.same_data("training", batch, rest, kwargs)
         step = module.training_step
         batch_size = program.batch_size_of(step, batch, *rest, **kwargs)
-        num_microbatches = self.microbatches.for_batch(batch_size // program.rows_per_row)
+        num_microbatches = self.microbatches.for_batch(program.batch_rows_count)
         # Lightning divides the returned loss by `accumulate_grad_batches` and back-propagates that; the schedule
         # back-propagates each microbatch loss, so scale it by the same factor and by the microbatch count.
         grad_scale = 1.0 / (num_microbatches * module.trainer.accumulate_grad_batches)
@@ -338,7 +338,10 @@ class PipelineRuntime:
         if self.lock_step.generates(step):  # [Note: lock step]
             return self._generate(step, *args, **kwargs)
         batch_size = program.batch_size_of(step, *args, **kwargs)
-        num_microbatches = self.microbatches.for_batch(batch_size // program.rows_per_row)
+        if not program.rows_per_row:  # its rows come from none of the batch's (prompts the step makes): in lock step
+            self.lock_step.learn(step)
+            return self._generate(step, *args, **kwargs)
+        num_microbatches = self.microbatches.for_batch(program.batch_rows_count)
         if not self.lock_step.splits_by_rows(step, batch_size, num_microbatches, *args, **kwargs):
             self.lock_step.learn(step)  # its model calls' rows are not the batch's: in lock step
             return self._generate(step, *args, **kwargs)
@@ -350,7 +353,7 @@ class PipelineRuntime:
                 output = pipeline.eval_step(sample, batch_size, num_microbatches, rows_dim=program.rows_dim)
             if pipeline.has_last_stage:
                 recorder = LogRecorder()
-                recorder.start(batch_size // program.rows_per_row)
+                recorder.start(program.batch_rows_count)
                 try:
                     with recorder.installed(module), metrics_undone_on(SecondPass, module_metrics(module)):
                         result = program.run_answering(output, step, *args, **kwargs)
