@@ -6,7 +6,8 @@ Usage::
     python scripts/conformance.py [--only NAMES] [--registry R] [--out JSON] [--cap SECONDS] [--write-docs]
     python scripts/conformance.py --docs-only        # regenerate docs/models.md's table from the JSON
 
-The cases, the shrinking function and the modules are in ``scripts/conformance_models.py``. Each architecture:
+The cases and the modules are in ``scripts/conformance_models.py``, the shrinking function in
+``conformance_shrink.py``. Each architecture:
 
 - **one process** (in this process, reused as the reference): built tiny, trained for 3 steps (fp32, SGD with
   momentum, clipping 0.5, batches of 8 padded rows with ``-100`` labels), then ``trainer.predict`` runs

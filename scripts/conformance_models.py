@@ -1,13 +1,15 @@
-"""The cases of the conformance sweep (scripts/conformance.py): the registries, the one shrinking function, and the
-ordinary LightningModules the architectures are trained in.
+"""The cases of the conformance sweep (scripts/conformance.py): the registries, the models made tiny by the one
+shrinking function (``conformance_shrink.py``), and the ordinary LightningModules the architectures are trained in.
 
 - :func:`registry` lists the architectures: ``transformers``' causal-LM, seq2seq and image-text-to-text auto
   mappings, and diffusers' transformer classes that have an input recipe (:data:`DIFFUSERS`, taken from the tiny
   inits and dummy inputs of diffusers' own ``tests/models/transformers/``).
-- :func:`shrink` makes a tiny config from a config class's own attributes (and those of its sub-configs):
-  widths, layers, heads, key-value heads, head and feed-forward sizes, vocabulary, experts, state sizes. Every
-  dropout and random draw (layer drop, router jitter) is turned off, so that one process and the pipeline can be
-  bitwise comparable.
+- :func:`~conformance_shrink.shrink` makes a tiny config from a config class's own attributes (and those of its
+  sub-configs): widths, layers, heads, key-value heads, head and feed-forward sizes, vocabulary, experts, state
+  sizes, made consistent by generic rules (derived sizes derived again, rope sections, hybrids' layer kinds,
+  per-layer overrides: see its docstring). Every dropout and random draw (layer drop, router jitter) is turned off,
+  so that one process and the pipeline can be bitwise comparable. :func:`hf_config` takes the model class's own
+  config class where the registry's config is a composite holding it (a causal LM of a multimodal model's text part).
 - :func:`build` returns ``(LightningModule, train rows, predict rows, collate)`` for a case: a Hugging Face model in
   :class:`HFModule` (loss from ``labels``, padded with ``-100``; ``generate()`` greedy and with ``num_beams=2`` in
   ``predict_step``), or a diffusers model in :class:`DiffusionModule` (an MSE loss against a fixed target).
@@ -21,12 +23,10 @@ from typing import Any, Callable, Optional
 import lightning as L
 import torch
 import torch.nn.functional as F
+from conformance_shrink import shrink
 from torch import nn
 
-VOCAB = 99  # as transformers' ModelTesters; the rows use ids 3 .. 47 (0 pad, 1 bos, 2 eos)
-LAYERS = 4  # decoder-only: 2 blocks per stage on 2 stages; an encoder-decoder gets 2 + 2
 NEW_TOKENS = 4
-INIT = 0.2  # wider than 0.02, so that greedy choices are not near-ties that a microbatch's rounding flips
 LR = 0.05
 
 
@@ -64,108 +64,7 @@ def registry() -> list[Case]:
     return cases
 
 
-# ----------------------------------------------------------------------------------------------------- shrinking
-WIDTH = ("hidden_size", "d_model", "n_embd", "embed_dim", "model_dim", "word_embed_proj_dim", "projection_dim",
-         "vision_output_dim", "output_hidden_size", "text_hidden_size", "vision_hidden_size")
-FFN = ("intermediate_size", "ffn_dim", "d_ff", "n_inner", "ffn_hidden_size", "encoder_ffn_dim", "decoder_ffn_dim",
-       "ffn_dim_size", "dense_intermediate_size")
-SMALL_FFN = ("moe_intermediate_size", "shared_expert_intermediate_size", "expert_intermediate_size")
-LAYER_COUNTS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "encoder_layers", "decoder_layers",
-                "num_decoder_layers", "num_encoder_layers", "depth", "text_layers", "vision_layers")
-HEADS = ("num_attention_heads", "n_head", "num_heads", "encoder_attention_heads", "decoder_attention_heads",
-         "n_heads", "attention_heads", "num_attention_heads_per_layer")
-KV_HEADS = ("num_key_value_heads", "num_kv_heads", "multi_query_group_num", "n_kv_heads", "num_query_groups")
-HEAD_DIM = ("head_dim", "d_kv", "kv_channels", "attention_head_dim", "qk_nope_head_dim", "qk_rope_head_dim",
-            "v_head_dim", "linear_key_head_dim", "linear_value_head_dim")
-POSITIONS = ("max_position_embeddings", "n_positions", "max_seq_len", "n_ctx", "max_sequence_length", "seq_length")
-EXPERTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts", "num_experts_total")
-TOP_K = ("num_experts_per_tok", "moe_topk", "top_k", "num_selected_experts", "moe_k")
-STATE = ("state_size", "d_state", "ssm_state_size", "mamba_d_state", "time_step_rank", "kv_lora_rank",
-         "q_lora_rank", "linear_num_key_heads", "linear_num_value_heads", "mamba_n_heads", "mamba_d_head")
-TARGETS: dict[tuple[str, ...], int] = {
-    WIDTH: 32, FFN: 64, SMALL_FFN: 16, HEADS: 4, KV_HEADS: 2, HEAD_DIM: 8, POSITIONS: 128, EXPERTS: 4, TOP_K: 2,
-    STATE: 8, ("vocab_size", "n_vocab", "padded_vocab_size"): VOCAB, ("n_shared_experts", "n_group", "topk_group"): 1,
-    ("sliding_window", "attention_window", "local_window_size"): 8, ("image_size",): 32, ("num_channels",): 3,
-}
-RANDOM = ("router_jitter_noise", "jitter_noise", "layerdrop", "encoder_layerdrop", "decoder_layerdrop")
-
-
-def shrink(config: Any, layers: int = LAYERS) -> Any:
-    """A tiny config of ``config``'s class from its own attributes: every size it has set to a tiny value (never
-    larger than the default), ``layers`` layers (lists with one entry per layer cut to their first ``layers``),
-    sub-configs shrunk alike, every dropout and random draw off, eager attention, token ids 0 (pad) / 1 / 2."""
-    attrs = {k: v for k, v in vars(config).items() if not k.startswith("_")}
-    if attrs.get("is_encoder_decoder"):
-        layers = min(layers, 2)
-    old_layers = next((attrs[k] for k in LAYER_COUNTS if isinstance(attrs.get(k), int)), None)
-    changes: dict[str, Any] = {}
-    for key, value in attrs.items():
-        if hasattr(value, "to_dict") and hasattr(value, "model_type"):  # a sub-config
-            changes[key] = shrink(value, layers)
-            continue
-        if isinstance(value, bool) or value is None:
-            continue
-        lowered = key.lower()
-        if isinstance(value, float) and ("drop" in lowered or key in RANDOM):
-            changes[key] = 0.0
-        elif isinstance(value, int) and key in LAYER_COUNTS:
-            changes[key] = min(value, layers)
-        elif isinstance(value, int) and key in RANDOM:
-            changes[key] = 0
-        elif isinstance(value, int):
-            for names, target in TARGETS.items():
-                if key in names and value > 0:
-                    changes[key] = min(value, target)
-        elif isinstance(value, list) and old_layers and len(value) == old_layers and old_layers > layers:
-            changes[key] = _cut(value, layers)
-        elif isinstance(value, list) and value and all(isinstance(v, int) and not isinstance(v, bool) for v in value) \
-                and ("layer" in lowered and ("indices" in lowered or "ids" in lowered or lowered.endswith("layers"))):
-            changes[key] = [v for v in value if v < layers] or [layers - 1]  # layer indices
-    heads = next((changes[k] for k in HEADS if k in changes), None)
-    for key in KV_HEADS:  # keep the kind of attention: multi-head stays multi-head (and MLA), multi-query stays
-        if key in changes and heads and attrs[key] == next(attrs[k] for k in HEADS if k in changes):
-            changes[key] = heads
-    for key in ("rotary_dim",):
-        if isinstance(attrs.get(key), int):
-            changes[key] = min(attrs[key], 4)
-    for key in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id"):
-        if key in attrs or (key == "decoder_start_token_id" and attrs.get("is_encoder_decoder")):
-            changes[key] = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}.get(key, 0)
-    if "initializer_range" in attrs:
-        changes["initializer_range"] = INIT
-    if "output_router_logits" in attrs:
-        changes["output_router_logits"] = False  # the load-balancing loss is a statistic per microbatch
-    if "use_cache" in attrs:
-        changes["use_cache"] = True
-    try:
-        tiny = type(config)(**{**_constructor_view(attrs), **changes})
-    except Exception:  # a config whose __init__ rejects a derived attribute: set the changes on the default
-        tiny = type(config)(**{k: v for k, v in changes.items() if not hasattr(v, "model_type")})
-        for key, value in changes.items():
-            setattr(tiny, key, value)
-    for key, value in changes.items():  # what __init__ derived otherwise (a head_dim from the old width)
-        if getattr(tiny, key, value) != value and not hasattr(value, "model_type"):
-            setattr(tiny, key, value)
-    tiny._attn_implementation = "eager"
-    return tiny
-
-
-def _cut(per_layer: list, layers: int) -> list:
-    """The first ``layers`` entries of a per-layer list, its last ones replaced by kinds the cut would lose (a
-    hybrid's attention layers after its first Mamba layers)."""
-    cut = list(per_layer[:layers])
-    missing = [v for i, v in enumerate(per_layer) if v not in cut and v not in per_layer[:i]]
-    for i, kind in enumerate(missing[: layers - 1]):
-        cut[layers - 1 - i] = kind
-    return cut
-
-
-def _constructor_view(attrs: dict[str, Any]) -> dict[str, Any]:
-    """The attributes a config's ``__init__`` takes back (id2label and friends are rebuilt)."""
-    drop = {"transformers_version", "architectures", "id2label", "label2id", "dtype", "torch_dtype"}
-    return {k: v for k, v in attrs.items() if k not in drop and not hasattr(v, "model_type")}
-
-
+# ----------------------------------------------------------------------------------------------------- models
 def quiet(model: nn.Module) -> nn.Module:
     """Every random draw in training off: dropout modules, diffusers' class-label dropout (classifier-free
     guidance), drop-path."""
@@ -178,13 +77,24 @@ def quiet(model: nn.Module) -> nn.Module:
     return model
 
 
-def hf_model(case: Case) -> nn.Module:
+def hf_config(case: Case) -> Any:
+    """The tiny config of a transformers case: its model type's default, shrunk; the model class's own config class
+    where that is a part of the default (a causal LM of a composite's text or decoder config)."""
     import transformers
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    config = shrink(CONFIG_MAPPING[case.model_type]())
+    config = CONFIG_MAPPING[case.model_type]()
+    want = getattr(getattr(transformers, case.name), "config_class", None)
+    if want is not None and not isinstance(config, want):
+        config = next((v for v in vars(config).values() if isinstance(v, want)), config)
+    return shrink(config)
+
+
+def hf_model(case: Case) -> nn.Module:
+    import transformers
+
     cls = getattr(transformers, case.name)
-    model = cls._from_config(config, attn_implementation="eager", dtype=torch.float32)
+    model = cls._from_config(hf_config(case), attn_implementation="eager", dtype=torch.float32)
     return quiet(model)
 
 
