@@ -65,7 +65,7 @@ CLASSES = ("exact", "refused", "defect", "not built", "not run")
 SAMPLE = ("LlamaForCausalLM", "Qwen3VLForConditionalGeneration", "Qwen2ForCausalLM", "GemmaForCausalLM",
           "RecurrentGemmaForCausalLM", "FalconForCausalLM", "OPTForCausalLM", "MixtralForCausalLM",
           "SD3Transformer2DModel", "FluxTransformer2DModel", "HYV4ForCausalLM", "SkyReelsV2Transformer3DModel",
-          "GPT2LMHeadModel", "FalconMambaForCausalLM")
+          "GPT2LMHeadModel", "FalconMambaForCausalLM", "Florence2ForConditionalGeneration")
 ORDER = ("diffusers", "causal-lm", "seq2seq", "image-text-to-text")
 
 

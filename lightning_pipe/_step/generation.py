@@ -167,6 +167,9 @@ class LockStep:
                 swaps.wrap(module, "forward", functools.partial(self._intercepting, module))
             for path, module, stages in self.partial.outside.values():
                 swaps.wrap(module, "forward", lambda forward, p=path, s=stages: self._run_where_held(p, forward, s))
+            for path, module, stages in self.partial.outside_inputs.values():
+                swaps.wrap(module, "forward",
+                           lambda forward, p=path, s=stages: self._run_where_held(p, forward, s, encoder=False))
             guard = self.runtime.cut.backbone.module(0).register_forward_pre_hook(self._outside_a_pass)
             try:
                 yield
@@ -198,9 +201,13 @@ class LockStep:
 
         return intercepted
 
-    def _run_where_held(self, path: str, forward: Callable[_P, _R], stages: frozenset[int]) -> Callable[_P, _R]:
-        """A call of an encoder outside the backbone (:func:`~lightning_pipe._step.partial.outside_encoders`): run on
-        the first stage that holds all of its parameters, its result sent to every rank of the pipeline."""
+    def _run_where_held(
+        self, path: str, forward: Callable[_P, _R], stages: frozenset[int], encoder: bool = True
+    ) -> Callable[_P, _R]:
+        """A call, outside a pass, of an encoder outside the backbone (:func:`~lightning_pipe._step.partial.
+        outside_encoders`) or of the input embeddings (``encoder=False``, :func:`~lightning_pipe._step.partial.
+        outside_embeddings`): run on the first stage that holds all of its parameters, its result sent to every rank
+        of the pipeline."""
 
         @functools.wraps(forward)
         def intercepted(*args: _P.args, **kwargs: _P.kwargs) -> _R:
@@ -212,7 +219,8 @@ class LockStep:
                     " own, but its parameters are split over several stages. Pipeline its layers too (`backbone=`"
                     " the encoder's and the decoder's containers, in the order they run)."
                 )
-            self.partial.outside_called = True
+            if encoder:
+                self.partial.outside_called = True
             stage = min(stages)
             answer: object = None
             failed = None

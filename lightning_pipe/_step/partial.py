@@ -23,9 +23,11 @@ blocks only. A model call that runs some of the backbone's containers is a pass 
   state (T5's decoder sends its position bias, as wide as the cache plus the new token, in calls of one shape).
 - **The caches.** An ``EncoderDecoderCache`` splits as two caches (self- and cross-attention), each microbatch with
   its own ``is_updated`` flags; the cache's layer 0 is the decoder's first block ([Note: caches per microbatch]).
-- **An encoder outside the backbone** (Florence2 pipelines only its decoder's layers; the encoder runs before them
-  on the first stage): a call of what the model's ``get_encoder()`` returns runs on the stage that holds it, and its
-  output goes to every rank; the decoder's calls then carry no encoder output between stages.
+- **An encoder outside the backbone** (``backbone=`` Florence2's decoder's layers only; the encoder runs before
+  them on the first stage): a call of what the model's ``get_encoder()`` returns runs on the stage that holds it, and
+  its output goes to every rank; the decoder's calls then carry no encoder output between stages. So does a call of
+  the model's input embeddings outside a pass: Florence2's ``generate()`` embeds the prompt itself and gives the
+  pipelined encoder those ``inputs_embeds``, which the other stages would hold as ghosts.
 """
 
 from __future__ import annotations
@@ -61,6 +63,9 @@ class PartialPasses:
         self.flows: dict[tuple[int, int], Optional[Flow]] = {}  # (id(module), first block) -> its pass's flow
         #: ``{id: (path, encoder, the stages that hold all its parameters)}``
         self.outside = outside_encoders(runtime.module, runtime.cut, path_modules)
+        #: the same of the path modules' input embeddings, which ``generate()`` may call on its own (Florence2 embeds
+        #: the prompt before it calls the pipelined encoder with ``inputs_embeds``)
+        self.outside_inputs = outside_embeddings(runtime.module, runtime.cut, path_modules)
         self.outside_called = False  # whether a step called one (the decoder's calls are then given its output)
 
     def flow_of(self, module: nn.Module, call: Callable[..., Any], first: int, inputs: PassInputs) -> Optional[Flow]:
@@ -104,6 +109,35 @@ class PartialPasses:
                 structure, self.runtime.layout, [b.name for b in blocks], range(first, stop), produced
             )
         return self.flows[key]
+
+
+def outside_embeddings(
+    root: nn.Module, cut: Cut, path_modules: list[nn.Module]
+) -> dict[int, tuple[str, nn.Module, frozenset[int]]]:
+    """The input embeddings of the path modules (``get_input_embeddings()``), outside the backbone: a call of one
+    outside a pass (``generate()`` embedding the prompt itself) runs on a stage that holds it, and its output goes to
+    every rank, as an outside encoder's does. ``{id: (path, embedding, the stages that hold all its parameters)}``."""
+    found: dict[int, tuple[str, nn.Module, frozenset[int]]] = {}
+    names = {id(m): name for name, m in root.named_modules()}
+    for module in path_modules:
+        try:
+            embedding = module.get_input_embeddings()  # type: ignore[operator]
+        except Exception:
+            continue
+        if isinstance(embedding, nn.Module) and id(embedding) not in found:
+            held = _held_by(cut, embedding)
+            if held:
+                found[id(embedding)] = (names.get(id(embedding), type(embedding).__name__), embedding, held)
+    return found
+
+
+def _held_by(cut: Cut, module: nn.Module) -> Optional[frozenset[int]]:
+    """The stages that hold all of ``module``'s parameters, where it is outside the backbone and has some."""
+    inside = {id(m) for m in module.modules()}
+    if inside & {id(cut.backbone.module(i)) for i in range(len(cut.backbone))}:
+        return None
+    held = [r.stages for r in cut.registrations if r.kind == "parameter" and id(r.owner) in inside]
+    return frozenset.intersection(*held) if held else None
 
 
 def outside_encoders(
