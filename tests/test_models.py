@@ -17,7 +17,8 @@ Two jobs run every case, one per process count (starting processes costs more th
   and text, its language layers of two classes (self- and cross-attention, the latter on the second stage only)
   named as the backbone (fit, validate, predict), and found by ``backbone="auto"`` with the vision layers before
   them (Interleaved1F1B); batches laid out other than a row per sample (tests/zoo_layouts.py): Qwen2-VL's images
-  packed over the batch, LLaVA's one row of pixels per image (0 to 2 per row; ZBVZeroBubble), a video model's frames
+  packed over the batch, LLaVA's one row of pixels per image (0 to 2 per row; ZBVZeroBubble), both generating with
+  their images (greedy and beam search), a video model's frames
   folded into the batch, Hugging Face ``BatchEncoding`` batches;
 - four processes: Llama and T5 resumed from the two-process checkpoints (another pipeline size), GPT-2, nanoGPT and
   Flux interleaved over 8 stages, the reused block over 4 (LoopedBFS), and the rotary GPT and T5 as 2 pipelines x 2
@@ -111,9 +112,9 @@ TWO = [
     # batches laid out other than a row per sample (tests/zoo_layouts.py): Qwen2-VL's images packed over the batch,
     # rows of 0 to 2 images of different sizes ("auto" takes the language layers, not the vision blocks' patches);
     # frames folded into the batch before the blocks; Hugging Face's `BatchEncoding` batches
-    case("qwen2_vl", "qwen2_vl", {"num_microbatches": 4}, trainer=ACCUM, fns=["fit", "validate"]),
+    case("qwen2_vl", "qwen2_vl", {"num_microbatches": 4}, trainer=ACCUM, fns=["fit", "validate", "predict"]),
     case("llava", "llava", {"num_microbatches": 4, "schedule": "ZBVZeroBubble"}, trainer=ACCUM,
-         fns=["fit", "validate"]),
+         fns=["fit", "validate", "predict"]),
     case("frames", "frames", {"num_microbatches": 4, "schedule": "Interleaved1F1B"}, fns=["fit", "validate"]),
     case("hf_llama_encoding", "hf_llama_encoding", {"num_microbatches": 4}, trainer=ACCUM, fns=["fit", "validate"]),
 ]

@@ -1,5 +1,6 @@
 """Zoo models whose batches are laid out other than one tensor row per sample (tests/zoo.py has the rest).
 
+- ``qwen2_vl``, ``llava`` (below) generate in ``predict_step``, with their images (:class:`Generates`).
 - ``qwen2_vl``: Hugging Face Qwen2-VL on image+text rows as its processor makes them: ``pixel_values`` packed over
   the batch's images (``[patches of all images, channels * patch volume]``), ``image_grid_thw`` one row per image,
   rows with no image, one, or two, of different sizes ([Note: packed vision inputs]). Its vision blocks see patches,
@@ -30,8 +31,35 @@ IMAGE, VISION_START, VISION_END, VIDEO = 90, 91, 92, 93  # Qwen2-VL's special to
 PATCH, TEMPORAL, MERGE = 2, 2, 2
 
 
+# ----------------------------------------------------------------------------------------------------- generation
+class Generates:
+    """``predict_step``: ``generate()`` on the batch's prompts with their images, greedy then with 2 beams, 4 new
+    tokens each (the prompts left-padded, as a processor pads them for generation)."""
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        inputs = left_padded({k: v for k, v in batch.items() if k != "labels"})
+        return torch.cat([
+            self.model.generate(**inputs, max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0,
+                                num_beams=beams)[:, -4:]
+            for beams in (1, 2)
+        ], dim=1)
+
+
+def left_padded(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The batch's right-padded rows (and their token types) padded on the left instead."""
+    mask = batch["attention_mask"]
+    out = dict(batch)
+    for key in ("input_ids", "attention_mask", "mm_token_type_ids"):
+        if key in batch:
+            value = torch.zeros_like(batch[key])
+            for i, n in enumerate(mask.sum(1).tolist()):
+                value[i, value.shape[1] - n:] = batch[key][i, :n]
+            out[key] = value
+    return out
+
+
 # ----------------------------------------------------------------------------------------------------- Qwen2-VL
-class Qwen2VL(zoo.Lit):
+class Qwen2VL(Generates, zoo.Lit):
     """Hugging Face Qwen2-VL as shipped (tiny config, random weights), its loss from ``labels``."""
 
     def __init__(self, layers: int = 4, **kwargs: Any) -> None:
@@ -90,7 +118,7 @@ def image_text_collate(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.T
 
 
 # ----------------------------------------------------------------------------------------------------- LLaVA
-class Llava(zoo.Lit):
+class Llava(Generates, zoo.Lit):
     """Hugging Face LLaVA as shipped (tiny config, random weights): a CLIP vision tower, whose second-to-last layer's
     hidden states (recorded by Hugging Face's hooks on its layers) the projector reads, and a Llama."""
 

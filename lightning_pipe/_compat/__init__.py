@@ -145,6 +145,8 @@ transformers (checked against 5.3 and 5.24; not a dependency, read only where th
 - ``PreTrainedModel._output_capturing_hooks_installed``: the mark of a model whose output-capturing hooks are
   installed (:mod:`.transformers`); ``output_capturing._active_collector``: what a forward records now, read while
   the setup's analysis calls a block, to find blocks whose own outputs are recorded (``output_hidden_states``);
+  ``generation.utils._slice_mm_encoder_output``: the features ``generate()`` encoded for a batch's images, cut by
+  placeholder as its chunked prefill cuts them, here per microbatch;
   ``PreTrainedModel._init_weights``: a model's own initialisation of modules that have no ``reset_parameters``
   (``_model/materialize.py``). The cache classes are reached through their public
   ``layers``, ``keys``/``values`` and ``layer_class_to_replicate`` (``_step/caches.py``).
@@ -304,6 +306,8 @@ PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     ("transformers.utils.output_capturing", "_output_capturing_hooks_installed"),
     # _compat/transformers.py: what a `capture_outputs` forward records now (the blocks whose outputs it records)
     ("transformers.utils.output_capturing", "_active_collector"),
+    # _compat/transformers.py: generate()'s own cut of the images' encoded features (its chunked prefill)
+    ("transformers.generation.utils", "_slice_mm_encoder_output"),
 )
 
 #: Private names looked up only where the installed release has them (a missing one is a supported release, not a

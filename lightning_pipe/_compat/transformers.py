@@ -16,7 +16,7 @@ from __future__ import annotations
 import sys
 from typing import Callable, Optional
 
-from torch import nn
+from torch import Tensor, nn
 
 _INSTALLED = "_output_capturing_hooks_installed"  # the mark transformers sets on a model whose hooks are installed
 
@@ -86,4 +86,28 @@ def recording_lengths() -> Optional[dict[str, int]]:
     if not collected:
         return None
     return {key: len(entries) for key, entries in collected.items() if isinstance(entries, list)}
+
+
+def encoded_media_rows(encoded: dict, ids: Tensor, config: object, start: int, stop: int) -> Optional[dict]:
+    """The features ``generate()`` encoded for a batch's images and videos (``mm_encoder_outputs``: one feature row
+    per placeholder token, in placeholder order over the rows) that fill the placeholders of rows ``start:stop`` of
+    ``ids``, as ``generate()``'s own chunked prefill cuts them (``_slice_mm_encoder_output``); None where this
+    release has no such cut, or a modality's placeholder token is unknown."""
+    utils = sys.modules.get("transformers.generation.utils")
+    cut = getattr(utils, "_slice_mm_encoder_output", None)
+    if cut is None:
+        return None
+    kept = {}
+    for modality, output in encoded.items():
+        token = getattr(config, f"{modality}_token_id", None)
+        if output is None:
+            kept[modality] = output
+            continue
+        if not isinstance(token, int):
+            return None
+        mask = ids == token
+        rows = (mask.flatten().cumsum(0).view_as(mask) - 1)[start:stop][mask[start:stop]]
+        if rows.numel():
+            kept[modality] = cut(output, rows)
+    return kept
 

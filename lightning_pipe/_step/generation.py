@@ -170,6 +170,9 @@ class LockStep:
             for path, module, stages in self.partial.outside_inputs.values():
                 swaps.wrap(module, "forward",
                            lambda forward, p=path, s=stages: self._run_where_held(p, forward, s, encoder=False))
+            for path, module, method, stages in self.partial.outside_features:
+                swaps.wrap(module, method,
+                           lambda forward, p=path, s=stages: self._run_where_held(p, forward, s, encoder=False))
             guard = self.runtime.cut.backbone.module(0).register_forward_pre_hook(self._outside_a_pass)
             try:
                 yield

@@ -27,7 +27,9 @@ blocks only. A model call that runs some of the backbone's containers is a pass 
   them on the first stage): a call of what the model's ``get_encoder()`` returns runs on the stage that holds it, and
   its output goes to every rank; the decoder's calls then carry no encoder output between stages. So does a call of
   the model's input embeddings outside a pass: Florence2's ``generate()`` embeds the prompt itself and gives the
-  pipelined encoder those ``inputs_embeds``, which the other stages would hold as ghosts.
+  pipelined encoder those ``inputs_embeds``, which the other stages would hold as ghosts; and so does a
+  vision-language model's ``get_image_features`` (``get_video_features``), which ``generate()`` calls once before
+  its first model call: the prefill pass then cuts the features per microbatch (``_step/pass_inputs.py``).
 """
 
 from __future__ import annotations
@@ -66,6 +68,9 @@ class PartialPasses:
         #: the same of the path modules' input embeddings, which ``generate()`` may call on its own (Florence2 embeds
         #: the prompt before it calls the pipelined encoder with ``inputs_embeds``)
         self.outside_inputs = outside_embeddings(runtime.module, runtime.cut, path_modules)
+        #: ``(path, model, method, stages)`` of the vision-language models' feature methods that ``generate()`` calls
+        #: on its own (``get_image_features``)
+        self.outside_features = outside_features(runtime.module, runtime.cut, path_modules)
         self.outside_called = False  # whether a step called one (the decoder's calls are then given its output)
 
     def flow_of(self, module: nn.Module, call: Callable[..., Any], first: int, inputs: PassInputs) -> Optional[Flow]:
@@ -128,6 +133,34 @@ def outside_embeddings(
             held = _held_by(cut, embedding)
             if held:
                 found[id(embedding)] = (names.get(id(embedding), type(embedding).__name__), embedding, held)
+    return found
+
+
+FEATURE_METHODS = ("get_image_features", "get_video_features")
+
+
+def outside_features(
+    root: nn.Module, cut: Cut, path_modules: list[nn.Module]
+) -> list[tuple[str, nn.Module, str, frozenset[int]]]:
+    """A vision-language model's feature methods (``get_image_features``, ``get_video_features``) on the path
+    modules, which ``generate()`` calls before its first model call to encode the images once: each runs on a stage
+    that holds all the parameters of the model's parts outside the language model (its vision tower and projector),
+    and its output goes to every rank. ``[(path.method, model, method, stages)]``; none where those parts are split
+    over stages."""
+    found: list[tuple[str, nn.Module, str, frozenset[int]]] = []
+    names = {id(m): name for name, m in root.named_modules()}
+    blocks = {id(cut.backbone.module(i)) for i in range(len(cut.backbone))}
+    for module in path_modules:
+        methods = [m for m in FEATURE_METHODS if callable(getattr(type(module), m, None))]
+        if not methods:
+            continue
+        parts = [c for c in module.children() if not {id(m) for m in c.modules()} & blocks]
+        held = [h for h in (_held_by(cut, part) for part in parts) if h is not None]  # by the cut: the same everywhere
+        if not held:
+            continue
+        stages = frozenset.intersection(*held)
+        if stages:
+            found += [(f"{names.get(id(module), type(module).__name__)}.{m}", module, m, stages) for m in methods]
     return found
 
 

@@ -10,6 +10,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 
 from lightning_pipe._calls.batch import slice_batch
+from lightning_pipe._compat.transformers import encoded_media_rows
 from lightning_pipe._errors import BackboneCallError
 from lightning_pipe._ghost import contains_ghost
 from lightning_pipe._model.flow import Flow
@@ -23,6 +24,9 @@ NOT_BATCHED = frozenset({"cache_position", "input_pos", "input_pos_maxp1"})
 #: ``[3 or 4, batch, length]``, which ``generate()`` passes to every call; a microbatch given all the batch's rows of
 #: them would meet its own rows' queries with the whole batch's angles.
 ROWS_DIM = {"position_ids": (3, 1)}
+#: The keyword argument of a prefill pass with the images' features ``generate()`` encoded before its first call, one
+#: per placeholder token: a microbatch gets those of its own rows' placeholders.
+ENCODED_MEDIA = "mm_encoder_outputs"
 
 
 class PassInputs:
@@ -33,17 +37,22 @@ class PassInputs:
     ) -> None:
         self.args, self.kwargs, self.batch_size, self.caches, self.states = args, kwargs, batch_size, caches, states
         self.names = positional_names(module, len(args))
+        self.config = getattr(module, "config", None)
 
     def lp_rows(self, start: int, stop: int, probing: Optional[str]) -> tuple[tuple, dict]:
         def cut(value: Any, name: Optional[str] = None) -> Any:
             if is_cache(value):
                 return self.caches.for_rows(value, start, stop, probing)
+            if name == ENCODED_MEDIA and isinstance(value, dict) and isinstance(ids, Tensor) and ids.dim() == 2:
+                rows = encoded_media_rows(value, ids, self.config, start, stop)
+                return value if rows is None else rows
             if name in NOT_BATCHED:
                 return value
             if rows_not_first(name, value, self.batch_size):
                 return value.narrow(ROWS_DIM[name][1], start, stop - start)
             return slice_batch(value, self.batch_size, start, stop)
 
+        ids = self.kwargs.get("input_ids", next((a for a, n in zip(self.args, self.names) if n == "input_ids"), None))
         self.states.rows(start, stop, probing)
         args = tuple(cut(a, name) for a, name in zip(self.args, self.names))
         return args, {k: cut(v, k) for k, v in self.kwargs.items()}
