@@ -14,11 +14,11 @@ blocks splits it inside the graph: its linear layers' weight gradients wait for 
 gradient is computed in the input action, which runs the whole backward ([Note: deferred weight gradients] in
 ``_step/deferred_linear.py``). Exact, and the bulk of a transformer's weight-gradient work still fills the bubble.
 
-Where the linear layers are sharded by ``fully_shard`` or split over tensor ranks, their weight gradients cannot wait
-(the reduce-scatter runs in the post-backward hook; a ``DTensor`` weight's gradient is computed by DTensor's own
-backward): such a stage computes every gradient in its input action. Exact too, but the schedule's gain is lost, a
-warning says so at setup, and ``schedule="auto"`` weighs only the schedules that do not split the backward there.
-Nothing falls back to eager.
+Linear layers sharded by ``fully_shard`` defer theirs too: the forward sees them unsharded, and under these schedules
+their units reduce-scatter after the schedule, after every weight action. Where they are split over tensor ranks,
+their weight gradients cannot wait (a ``DTensor`` weight's gradient is computed by DTensor's own backward): they are
+computed in the input action. Exact too, but the schedule's gain is lost, a warning says so at setup, and
+``schedule="auto"`` weighs only the schedules that do not split the backward there. Nothing falls back to eager.
 """
 
 from __future__ import annotations
@@ -41,11 +41,12 @@ def compiled_stages(backbone: Any, bounds: dict[int, tuple[int, int]]) -> frozen
 
 
 def whole_backward_warning(schedule: str) -> str:
-    """What a run of a schedule that splits the backward with compiled blocks is told ([Note: compiled blocks])."""
+    """What a run of a schedule that splits the backward with compiled tensor-parallel blocks is told ([Note: compiled
+    blocks])."""
     return (
-        f"`PipelineStrategy(schedule={schedule!r})` with compiled blocks that are sharded or split over tensor ranks:"
-        " torch cannot split a compiled block's backward into its input- and weight-gradient parts (pytorch#161904),"
-        " and such blocks' linear layers cannot defer their weight gradients, so each stage with compiled blocks runs"
-        " its whole backward in its input-gradient action. Training is exact, but the weight gradients no longer fill"
-        " the bubble: 'Interleaved1F1B' or '1F1B' run as fast here."
+        f"`PipelineStrategy(schedule={schedule!r})` with compiled blocks split over tensor ranks: torch cannot split"
+        " a compiled block's backward into its input- and weight-gradient parts (pytorch#161904), and linear layers"
+        " split over tensor ranks cannot defer their weight gradients, so they are computed in the input-gradient"
+        " action. Training is exact, but those weight gradients no longer fill the bubble: 'Interleaved1F1B' or"
+        " '1F1B' run as fast here."
     )

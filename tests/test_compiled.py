@@ -208,15 +208,16 @@ def test_lengths_that_change_compile_once_more_and_stay_exact():
 
 def test_auto_weighs_the_split_schedules_where_compiled_blocks_defer():
     """``schedule="auto"`` with compiled blocks: every schedule where the linear layers can defer their weight
-    gradients; sharded, only those that do not split the backward (the others would be credited a gain they do not
-    have)."""
+    gradients, replicated or sharded; split over tensor ranks, only those that do not split the backward (the others
+    would be credited a gain they do not have)."""
     from lightning_pipe._lightning.options import validated_options
     from lightning_pipe._step.auto import _schedules_for
 
     replicated = validated_options(pipeline_parallel_size=2, schedule="auto", compile=True)
     sharded = validated_options(pipeline_parallel_size=2, schedule="auto", compile=True, data_parallel="fsdp")
-    assert _schedules_for(replicated, None) == SCHEDULE_NAMES
-    assert set(_schedules_for(sharded, None)) == {n for n in SCHEDULE_NAMES if not schedule_spec(n).splits_backward}
+    split = validated_options(pipeline_parallel_size=2, schedule="auto", compile=True, tensor_parallel_size=2)
+    assert _schedules_for(replicated, None) == _schedules_for(sharded, None) == SCHEDULE_NAMES
+    assert set(_schedules_for(split, None)) == {n for n in SCHEDULE_NAMES if not schedule_spec(n).splits_backward}
     assert {"ZBVZeroBubble", "DualPipeV", "InterleavedZeroBubble"} <= set(SCHEDULE_NAMES)
 
 
@@ -235,3 +236,27 @@ def test_deferred_weight_gradients_under_autocast_equal_torchs_split():
     eager, compiled = fitted(False), fitted(AOT_EAGER)
     assert eager[0] == compiled[0]
     assert all(torch.equal(eager[1][k], compiled[1][k]) for k in eager[1])
+
+
+def test_a_parameter_reallocated_after_the_swap_gets_its_own_weight_gradient():
+    """FSDP allocates its unsharded parameters when a unit unshards, after the layers were swapped, and an address may
+    then come back for another parameter: the weight action adds to the parameter the layer registers at the call,
+    never to a stale address's owner ([Note: deferred weight gradients])."""
+    torch.manual_seed(0)
+    layers = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    x = torch.randn(3, 4, requires_grad=True)
+    want = [torch.autograd.grad(nn.Sequential(*layers)(x).sum(), [p for p in layers.parameters()])]
+    deferral = deferred_linear.Deferral()
+    with deferred_linear.deferred_linears([layers]) as swapped:
+        assert swapped == 2
+        first = layers[0].weight
+        layers[0].weight = nn.Parameter(first.detach().clone())  # unsharded again, at a new address
+        # the old parameter's address now said to be the second layer's weight: what reused storage looks like
+        deferred_linear._PARAMS[layers[0].weight.data_ptr()] = (layers[1].weight, False)
+        with deferral.collecting():
+            layers(x).sum().backward()
+        deferral.builder()()
+    assert first.grad is None
+    got = [layers[0].weight.grad, layers[0].bias.grad, layers[1].weight.grad, layers[1].bias.grad]
+    assert all(torch.allclose(g, w) for g, w in zip(got, want[0]))
+    assert type(layers[0]) is nn.Linear and not deferred_linear._PARAMS and not deferred_linear._SWAPPED

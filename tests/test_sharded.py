@@ -9,7 +9,8 @@ small fits). The replicas get their own rows (Lightning's distributed sampler), 
   schedules keep (GPT-2 below, pp2 x ddp2, whose last stage sends each replica's loss weight to the first);
 - a hand-built litgpt-style model (RoPE buffers, a padding mask from the batch), pp2 x dp2: SGD with momentum, a
   per-step LR scheduler, clipping by the global norm and gradient accumulation, 1F1B sharded and replicated, and
-  Interleaved1F1B sharded with ``reshard_after_forward=True`` and activation checkpointing: 1e-5;
+  Interleaved1F1B sharded with ``reshard_after_forward=True`` and activation checkpointing, and compiled (under 1F1B,
+  and under ZBVZeroBubble with the linear weight gradients deferred to the weight actions): 1e-5;
 - Hugging Face GPT-2 (head tied to the embedding across the end stages) fine-tuned on padded batches with ``-100``
   labels, AdamW: 2e-4;
 - HSDP: pp1 x (2 replicated x 2 sharded) against pp1 x ddp4;
@@ -68,6 +69,10 @@ def phases(work: Path) -> list[dict[str, Any]]:
             "activation_checkpointing": True,
         }),
         phase("rope_fsdp_compiled", ROPE, {**PP2, "data_parallel": "fsdp", "compile": {"backend": "aot_eager"}}),
+        phase("rope_fsdp_compiled_zbv", ROPE, {
+            **PP2, "data_parallel": "fsdp", "compile": {"backend": "aot_eager"}, "schedule": "ZBVZeroBubble",
+            "reshard_after_forward": True,
+        }, count_deferred=True),
         phase("gpt2_ddp", GPT2, {**PP2, "num_microbatches": 2}, hf_save=str(work / "gpt2_ddp_hf")),
         phase("gpt2_fsdp", GPT2, {**PP2, "num_microbatches": 2, "data_parallel": "fsdp"},
               hf_save=str(work / "gpt2_fsdp_hf")),
@@ -136,6 +141,7 @@ def assert_same(got: list[dict[str, Any]], want: list[dict[str, Any]], pp: int, 
         ("rope_fsdp", "rope_ddp", 2, 1e-5),
         ("rope_fsdp_interleaved", "rope_ddp", 2, 1e-5),
         ("rope_fsdp_compiled", "rope_ddp", 2, 1e-5),  # compile=, then fully_shard: as torchtitan orders them
+        ("rope_fsdp_compiled_zbv", "rope_ddp", 2, 1e-5),  # and the linear layers' weight gradients deferred
         ("gpt2_fsdp", "gpt2_ddp", 2, 2e-4),
         ("rope_dp4_hsdp", "rope_dp4_ddp", 1, 1e-5),
         ("resume_fsdp", "resume_ddp", 2, 1e-5),
@@ -151,6 +157,15 @@ def test_sharded_stages_train_as_replicated_ones(four, name, against, pp, atol):
             assert g["validated"][0]["val_loss"] == pytest.approx(w["validated"][0]["val_loss"], abs=1e-5)
     if name.startswith("resume"):  # the third epoch only
         assert len(got[0]["steps"]) == len(ranks(four, "rope_ddp", 4)[0]["steps"]) // 2
+
+
+@pytest.mark.dist
+def test_sharded_compiled_stages_defer_their_linear_weight_gradients(four):
+    """Under ZBVZeroBubble, every linear layer of every compiled sharded block hands its weight gradient to the weight
+    action ([Note: deferred weight gradients]), unsharded again after each forward (``reshard_after_forward=True``):
+    4 layers, 2 blocks a rank, 4 microbatches, 8 batches. Exact: ``test_sharded_stages_train_as_replicated_ones``."""
+    got = ranks(four, "rope_fsdp_compiled_zbv", 4)
+    assert [r["deferred"] for r in got] == [4 * 2 * 4 * 8] * 4, [r["deferred"] for r in got]
 
 
 @pytest.mark.dist

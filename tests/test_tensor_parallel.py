@@ -12,7 +12,7 @@ One four-process launch runs every phase in a row (``tests/zoo_job.py``):
   Lightning's ``ModelParallelStrategy``, with no plan given to the strategy (1e-5);
 - nanoGPT (its head tied to the embedding across the end stages; biased MLP layers split, attention whole) under
   InterleavedZeroBubble: the weights left whole stay identical on every tensor rank (their gradients are averaged
-  over the tensor ranks);
+  over the tensor ranks); and compiled, bit for bit the same, its whole layers' weight gradients deferred;
 - the pp2 x tp2 checkpoint loaded without tensor parallelism (pp2 x ddp2) and on pp4, and consolidated;
 - a plan that names no module of the block: refused at setup on every rank;
 - last, a Llama whose ``configure_model`` is torchtitan's sequence-parallel plan written for
@@ -74,6 +74,10 @@ def phases(work: Path) -> list[dict[str, Any]]:
          "strategy": {**TP2, "tensor_parallel_plan": None}},
         {"name": "nanogpt_tied_zb", "model": "nanogpt", "data": {"n": 32, "batch_size": 8}, "trainer": TRAIN,
          "strategy": {**TP2, "schedule": "InterleavedZeroBubble",
+                      "tensor_parallel_plan": {"mlp.c_fc": "colwise", "mlp.c_proj": "rowwise"}}},
+        {"name": "nanogpt_tied_zb_compiled", "model": "nanogpt", "data": {"n": 32, "batch_size": 8}, "trainer": TRAIN,
+         "count_deferred": True,
+         "strategy": {**TP2, "schedule": "InterleavedZeroBubble", "compile": {"backend": "aot_eager"},
                       "tensor_parallel_plan": {"mlp.c_fc": "colwise", "mlp.c_proj": "rowwise"}}},
         {"name": "load_pp2_dp2", **LLAMA, "strategy": {"pipeline_parallel_size": 2, "num_microbatches": 4},
          "ckpt_path": ckpt},
@@ -163,6 +167,20 @@ def test_tensor_parallel_stages_train_as_one_process(four, work, name, atol):
     if "validate" in phase.get("fns", []):
         for r in got:
             assert r["validated"][0]["val_loss"] == pytest.approx(want["validated"][0]["val_loss"], abs=1e-5)
+
+
+@pytest.mark.dist
+def test_compiled_tensor_parallel_blocks_under_a_split_backward_equal_eager_ones(four):
+    """nanoGPT compiled, under InterleavedZeroBubble: the attention's linear layers, left whole, hand their weight
+    gradients to the weight actions ([Note: deferred weight gradients]: 2 layers, 2 stages a rank, 4 microbatches, 4
+    batches); the MLP's, split over the tensor ranks, compute theirs in the input action. Every rank's losses and
+    weights equal the eager run's, bit for bit (``aot_eager`` runs the same kernels)."""
+    eager, compiled = four.ranks("nanogpt_tied_zb"), four.ranks("nanogpt_tied_zb_compiled")
+    assert [r["deferred"] for r in compiled] == [2 * 2 * 4 * 4] * 4, [r["deferred"] for r in compiled]
+    for e, c in zip(eager, compiled):
+        assert [s["train_loss"] for s in e["steps"]] == [s["train_loss"] for s in c["steps"]]
+        assert set(e["state_dict"]) == set(c["state_dict"])
+        assert all(torch.equal(e["state_dict"][k], c["state_dict"][k]) for k in e["state_dict"])
 
 
 @pytest.mark.dist

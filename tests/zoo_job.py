@@ -11,6 +11,8 @@ after the other in the same processes (starting processes costs more than a smal
 - ``data``: kwargs of ``zoo_layouts.loader``; ``fns``: ``fit``, ``validate`` and/or ``predict`` (default
   ``["fit"]``);
 - ``save``: a path to ``trainer.save_checkpoint`` after the fns; ``ckpt_path``: for ``fit``;
+- ``count_deferred``: count the linear weight gradients the schedule's weight actions compute ([Note: deferred
+  weight gradients]), recorded as ``deferred``;
 - ``expect_error``: the phase must raise; its message is recorded. An unexpected error is recorded too (the rank's
   ``OUT_DIR/<name>.rank<r>.pt`` holds its traceback) and then stops the launch: its ranks may be out of step.
 
@@ -99,7 +101,13 @@ def run_phase(phase: dict[str, Any], devices: int) -> dict[str, Any]:
     data = phase.get("data", {})
     train = zoo_layouts.loader(phase["model"], **data)
     val = zoo_layouts.loader(phase["model"], **{**data, "seed": 1})
-    result: dict[str, Any] = {"error": None, "predictions": None}
+    result: dict[str, Any] = {"error": None, "predictions": None, "deferred": None}
+    applied: list[int] = []
+    if phase.get("count_deferred"):
+        from lightning_pipe._step import deferred_linear
+
+        apply = deferred_linear._apply
+        deferred_linear._apply = lambda collected: (applied.append(len(collected)), apply(collected))[1]
     try:
         for fn in phase.get("fns", ["fit"]):
             if fn == "fit":
@@ -119,6 +127,10 @@ def run_phase(phase: dict[str, Any], devices: int) -> dict[str, Any]:
         if not phase.get("expect_error"):
             raise
         result["error"] = "".join(traceback.format_exception_only(type(err), err))
+    finally:
+        if phase.get("count_deferred"):
+            deferred_linear._apply = apply
+            result["deferred"] = sum(applied)
     pipelined = isinstance(trainer.strategy, PipelineStrategy)
     summaries = [cb for cb in trainer.callbacks if isinstance(cb, ModelSummary)]
     if summaries:  # what the summary reports as the model's size (computed on every rank alike)

@@ -41,7 +41,6 @@ from typing import TYPE_CHECKING, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule
 
 from lightning_pipe._bytes import format_bytes
 from lightning_pipe._calls.batch import batch_tensors
@@ -441,13 +440,12 @@ class Chooser:
 
 
 def _schedules_for(options: PipelineOptions, backbone: Optional[Backbone]) -> tuple[str, ...]:
-    """Every schedule; with compiled blocks that are sharded or split over tensor ranks, those that do not split the
-    backward: such a block's weight gradients cannot wait for the weight action, and the cost model would credit the
-    others with a gain they do not have ([Note: deferred weight gradients])."""
+    """Every schedule; with compiled blocks split over tensor ranks, those that do not split the backward: such a
+    block's linear layers cannot hand their weight gradients to the weight action, and the cost model would credit
+    the others with a gain they do not have ([Note: deferred weight gradients]). Sharded blocks defer theirs."""
     blocks = [backbone.module(i) for i in range(len(backbone))] if backbone is not None else []
     if options.compile is None and not any(compiled(b) for b in blocks):
         return SCHEDULE_NAMES
-    sharded = options.data_parallel in ("fsdp", "hsdp") or any(isinstance(b, FSDPModule) for b in blocks)
-    if not sharded and options.tensor_parallel_size == 1:
+    if options.tensor_parallel_size == 1:
         return SCHEDULE_NAMES
     return tuple(name for name in SCHEDULE_NAMES if not schedule_spec(name).splits_backward)

@@ -37,11 +37,23 @@ the same formula, and a stage's weight actions run in the order of its input act
 the same order. A weight several layers share (tied, pytorch#180952) gets each layer's term; a custom
 ``autograd.Function`` in a block (pytorch#166577) is only ever run as part of the whole backward.
 
-Layers stay as they are where their weight gradient cannot wait: frozen (``requires_grad=False``), split over tensor
-ranks (``DTensor``), or in a stage ``fully_shard`` shards (its reduce-scatter runs in its post-backward hook, before the
-weight action); an input that needs no gradient (nothing to hand over) or a forward without autograd runs plain
-``F.linear``. Under autocast, the layer casts its input and parameters as autocast casts ``F.linear``'s, and the
-weight gradient is cast back to the parameter's dtype, as autograd's ``ToCopyBackward`` does.
+A layer in a unit ``fully_shard`` made defers as any other: while the unit is unsharded the layer registers FSDP's
+unsharded parameter, a plain one, which is what its call hands over, and the weight action adds to that parameter's
+``.grad``, where the unit accumulates the step's gradients; under these schedules the units reduce-scatter after the
+schedule (``ShardedStages.reduce``, as torch's ``perform_reduce_grad``), after every weight action. FSDP allocates the
+unsharded parameters when a unit unshards (again after each forward with ``reshard_after_forward=True``), so the
+addresses are looked up again where one is missing or no longer the parameter's (:func:`_owner`): a stale address
+that another parameter took is never used. In fp32 that is exact as above. With FSDP's bf16 parameters
+(``bf16-mixed``), a unit moves the bf16 gradients into its fp32 sum in its post-backward hook, in the input action;
+the gradients the input action computes here and torch's eager split computes in the weight action (the norms') may
+reach that sum at another hook, so bf16 rounds them in other groups: a run differs from torch's eager split in the
+last bf16 digits, and is as far from the fp32 run as that split is (measured: losses within 6.2e-4 of fp32 against
+the split's 8.6e-4).
+
+Layers stay as they are where their weight gradient cannot wait: frozen (``requires_grad=False``); a call with
+weights split over tensor ranks (``DTensor``), an input that needs no gradient (nothing to hand over) or a forward
+without autograd runs plain ``F.linear``. Under autocast, the layer casts its input and parameters as autocast casts
+``F.linear``'s, and the weight gradient is cast back to the parameter's dtype, as autograd's ``ToCopyBackward`` does.
 """
 
 from __future__ import annotations
@@ -62,7 +74,11 @@ Owners = tuple[nn.Parameter, Optional[nn.Parameter], bool]
 #: The parameters of the swapped layers, by address: a call hands its layer's parameters over as tensors (the compiled
 #: graph passes them through as inputs, so all blocks of a class share one graph), and the weight action finds the
 #: parameter by the address of what it was handed; with whether it is stored ``(in, out)`` (``Conv1D``'s weight).
+#: Rebuilt from :data:`_SWAPPED` where an address is missing or stale (FSDP's unsharded parameters are allocated
+#: when a unit unshards, so they are known only then, and an address may come back for another parameter).
 _PARAMS: dict[int, tuple[nn.Parameter, bool]] = {}
+#: The layers swapped now, of every deferring stage of this process.
+_SWAPPED: list[nn.Module] = []
 #: The deferral collecting now, if any: a process runs one backward at a time, and autograd runs a CUDA backward on a
 #: thread of its own, so this is not thread-local.
 _ACTIVE: list[Deferral] = []
@@ -115,8 +131,7 @@ class DeferredLinear(nn.Linear):
 
     def forward(self, input: Tensor) -> Tensor:
         weight_param, bias_param = weight, bias = self.weight, self.bias
-        if not (torch.is_grad_enabled() and input.requires_grad and weight.requires_grad
-                and (bias is None or bias.requires_grad)):
+        if not _defers(input, weight, bias):
             return F.linear(input, weight, bias)
         device = input.device.type
         if torch.is_autocast_enabled(device):
@@ -137,8 +152,7 @@ class _DeferredConv1D:
 
     def forward(self, x: Tensor) -> Tensor:
         weight_param, bias_param = weight, bias = self.weight, self.bias
-        if not (torch.is_grad_enabled() and x.requires_grad and weight.requires_grad
-                and (bias is None or bias.requires_grad)):
+        if not _defers(x, weight, bias):
             return self._lp_class.forward(self, x)  # type: ignore[arg-type]
         device = x.device.type
         if torch.is_autocast_enabled(device):  # as autocast casts `torch.addmm`'s arguments
@@ -168,11 +182,21 @@ def _deferred_class(layer: nn.Module) -> type:
 
 
 def _deferrable(layer: nn.Module) -> bool:
+    """A plain linear layer (or ``Conv1D``) whose parameters all train. Its weight may be a ``DTensor`` here: a
+    sharded unit's, which the forward sees unsharded (a plain parameter) and defers, or a tensor-parallel one, which
+    it runs plainly (:func:`_defers`)."""
     if type(layer) is not nn.Linear and not _is_conv1d(layer):
         return False
     weight, bias = layer.weight, layer.bias
-    return (isinstance(weight, nn.Parameter) and weight.requires_grad and not isinstance(weight, DTensor)
-            and (bias is None or bias.requires_grad))
+    return isinstance(weight, nn.Parameter) and weight.requires_grad and (bias is None or bias.requires_grad)
+
+
+def _defers(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> bool:
+    """Whether a swapped layer's call defers its weight gradient: under autograd, with an input that needs a gradient
+    (else there is nothing to hand over) and parameters that are not split over tensor ranks (a ``DTensor``'s
+    gradient is DTensor's own backward's)."""
+    return (torch.is_grad_enabled() and x.requires_grad and weight.requires_grad
+            and (bias is None or bias.requires_grad) and not isinstance(weight, DTensor))
 
 
 @contextmanager
@@ -183,23 +207,31 @@ def deferred_linears(blocks: Iterable[nn.Module]) -> Iterator[int]:
     for block in blocks:
         for layer in block.modules():
             if _deferrable(layer):
-                transposed = _is_conv1d(layer)
-                _PARAMS[layer.weight.data_ptr()] = (layer.weight, transposed)
-                if layer.bias is not None:
-                    _PARAMS[layer.bias.data_ptr()] = (layer.bias, False)
                 deferred = _deferred_class(layer)
                 layer._lp_class = type(layer)  # type: ignore[assignment]
                 layer.__class__ = deferred
                 swapped.append(layer)
+    _SWAPPED.extend(swapped)
+    _refresh()
     try:
         yield len(swapped)
     finally:
         for layer in swapped:
             layer.__class__ = layer._lp_class
             del layer._lp_class
-            for param in (layer.weight, layer.bias):
-                if param is not None:
-                    _PARAMS.pop(param.data_ptr(), None)
+        gone = {id(layer) for layer in swapped}
+        _SWAPPED[:] = [layer for layer in _SWAPPED if id(layer) not in gone]
+        _refresh()
+
+
+def _refresh() -> None:
+    """:data:`_PARAMS` from the parameters the swapped layers register now: FSDP's unsharded ones while their unit is
+    unsharded (its sharded ``DTensor`` ones are never handed over), a storage freed by resharding left out."""
+    _PARAMS.clear()
+    for layer in _SWAPPED:
+        for param, transposed in ((layer.weight, isinstance(layer, _DeferredConv1D)), (layer.bias, False)):
+            if param is not None and not isinstance(param, DTensor) and param.data_ptr() != 0:
+                _PARAMS[param.data_ptr()] = (param, transposed)
 
 
 class Deferral:
@@ -240,7 +272,11 @@ def _hand_over(x: Tensor, grad: Tensor, weight: Tensor, bias: Optional[Tensor]) 
 
 
 def _owner(tensor: Tensor) -> tuple[nn.Parameter, bool]:
-    param = _PARAMS.get(tensor.data_ptr())
+    address = tensor.data_ptr()
+    param = _PARAMS.get(address)
+    if param is None or param[0].data_ptr() != address:  # a unit unsharded since, or its storage reused
+        _refresh()
+        param = _PARAMS.get(address)
     if param is None:
         raise RuntimeError(
             "lightning_pipe: a linear layer's parameter moved in memory after its weight gradient was deferred to the"

@@ -174,14 +174,12 @@ class PipelineRuntime:
         self.overlap = self._overlap(cut, bounds, replicas, scale_group, sharding) if replicas is not None else None
         self.pipeline.overlap = self.overlap
         self.pipeline.through_override = through_override  # [Note: backward overrides]
-        # [Note: compiled blocks]: their linear layers' weight gradients wait for the weight action, unsharded
+        # [Note: compiled blocks]: their linear layers' weight gradients wait for the weight action
         self.pipeline.deferring = {
-            s: [] if sharding is not None else [cut.backbone.module(i) for i in range(*bounds[s])]
-            for s in compiled_stages(cut.backbone, bounds)
+            s: [cut.backbone.module(i) for i in range(*bounds[s])] for s in compiled_stages(cut.backbone, bounds)
         }
         self.pipeline.defer_weights()
-        if (sharding is not None or cut.parallelism.tensor_parallel) and self.pipeline.deferring \
-                and schedule.splits_backward:
+        if cut.parallelism.tensor_parallel and self.pipeline.deferring and schedule.splits_backward:
             warnings.warn(whole_backward_warning(schedule.name), stacklevel=2)
         self.pipeline.check_schedule()
         last, size = self.pipeline.last_stage_rank, layout.pipeline_size
