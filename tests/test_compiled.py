@@ -253,10 +253,12 @@ def test_a_parameter_reallocated_after_the_swap_gets_its_own_weight_gradient():
         layers[0].weight = nn.Parameter(first.detach().clone())  # unsharded again, at a new address
         # the old parameter's address now said to be the second layer's weight: what reused storage looks like
         deferred_linear._PARAMS[layers[0].weight.data_ptr()] = (layers[1].weight, False)
+        layers[1].bias = nn.Parameter(layers[1].bias.detach().clone())  # not the block's first: a unit of its own
         with deferral.collecting():
             layers(x).sum().backward()
         deferral.builder()()
     assert first.grad is None
     got = [layers[0].weight.grad, layers[0].bias.grad, layers[1].weight.grad, layers[1].bias.grad]
+    assert all(g is not None for g in got)
     assert all(torch.allclose(g, w) for g, w in zip(got, want[0]))
     assert type(layers[0]) is nn.Linear and not deferred_linear._PARAMS and not deferred_linear._SWAPPED

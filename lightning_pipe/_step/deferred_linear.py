@@ -77,8 +77,9 @@ Owners = tuple[nn.Parameter, Optional[nn.Parameter], bool]
 #: Rebuilt from :data:`_SWAPPED` where an address is missing or stale (FSDP's unsharded parameters are allocated
 #: when a unit unshards, so they are known only then, and an address may come back for another parameter).
 _PARAMS: dict[int, tuple[nn.Parameter, bool]] = {}
-#: The layers swapped now, of every deferring stage of this process.
-_SWAPPED: list[nn.Module] = []
+#: The layers swapped now, of every deferring stage of this process, a list per block (a ``fully_shard`` unit
+#: unshards its parameters together).
+_SWAPPED: list[list[nn.Module]] = []
 #: The deferral collecting now, if any: a process runs one backward at a time, and autograd runs a CUDA backward on a
 #: thread of its own, so this is not thread-local.
 _ACTIVE: list[Deferral] = []
@@ -203,35 +204,47 @@ def _defers(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> bool:
 def deferred_linears(blocks: Iterable[nn.Module]) -> Iterator[int]:
     """Inside, the plain ``nn.Linear`` layers (and Hugging Face ``Conv1D`` layers) of ``blocks`` that can defer their
     weight gradients are :class:`DeferredLinear` (a deferring subclass of their class); yields how many."""
-    swapped: list[nn.Module] = []
+    groups: list[list[nn.Module]] = []
     for block in blocks:
+        group = []
         for layer in block.modules():
             if _deferrable(layer):
                 deferred = _deferred_class(layer)
                 layer._lp_class = type(layer)  # type: ignore[assignment]
                 layer.__class__ = deferred
-                swapped.append(layer)
-    _SWAPPED.extend(swapped)
-    _refresh()
+                group.append(layer)
+        if group:
+            groups.append(group)
+    _SWAPPED.extend(groups)
+    _refresh(full=True)
     try:
-        yield len(swapped)
+        yield sum(len(group) for group in groups)
     finally:
-        for layer in swapped:
-            layer.__class__ = layer._lp_class
-            del layer._lp_class
-        gone = {id(layer) for layer in swapped}
-        _SWAPPED[:] = [layer for layer in _SWAPPED if id(layer) not in gone]
-        _refresh()
+        for group in groups:
+            for layer in group:
+                layer.__class__ = layer._lp_class
+                del layer._lp_class
+        gone = {id(group) for group in groups}
+        _SWAPPED[:] = [group for group in _SWAPPED if id(group) not in gone]
+        _refresh(full=True)
 
 
-def _refresh() -> None:
+def _refresh(full: bool = False) -> None:
     """:data:`_PARAMS` from the parameters the swapped layers register now: FSDP's unsharded ones while their unit is
-    unsharded (its sharded ``DTensor`` ones are never handed over), a storage freed by resharding left out."""
-    _PARAMS.clear()
-    for layer in _SWAPPED:
-        for param, transposed in ((layer.weight, isinstance(layer, _DeferredConv1D)), (layer.bias, False)):
-            if param is not None and not isinstance(param, DTensor) and param.data_ptr() != 0:
-                _PARAMS[param.data_ptr()] = (param, transposed)
+    unsharded (its sharded ``DTensor`` ones are never handed over), a storage freed by resharding left out. Unless
+    ``full``, only the blocks whose first parameter is not registered as it is now (a unit unsharded since; with
+    ``reshard_after_forward=True`` that is one block per lookup, not every block); stale entries stay, and
+    :func:`_owner` never takes one."""
+    if full:
+        _PARAMS.clear()
+    for group in _SWAPPED:
+        first = group[0].weight
+        if not full and (isinstance(first, DTensor) or _PARAMS.get(first.data_ptr(), (None,))[0] is first):
+            continue
+        for layer in group:
+            for param, transposed in ((layer.weight, isinstance(layer, _DeferredConv1D)), (layer.bias, False)):
+                if param is not None and not isinstance(param, DTensor) and param.data_ptr() != 0:
+                    _PARAMS[param.data_ptr()] = (param, transposed)
 
 
 class Deferral:
@@ -273,16 +286,25 @@ def _hand_over(x: Tensor, grad: Tensor, weight: Tensor, bias: Optional[Tensor]) 
 
 def _owner(tensor: Tensor) -> tuple[nn.Parameter, bool]:
     address = tensor.data_ptr()
-    param = _PARAMS.get(address)
-    if param is None or param[0].data_ptr() != address:  # a unit unsharded since, or its storage reused
+    param = _current(address)
+    if param is None:  # a unit unsharded since, or its storage reused
         _refresh()
-        param = _PARAMS.get(address)
+        param = _current(address)
+    if param is None:  # a block of several units: every block looked at again
+        _refresh(full=True)
+        param = _current(address)
     if param is None:
         raise RuntimeError(
             "lightning_pipe: a linear layer's parameter moved in memory after its weight gradient was deferred to the"
             " schedule's weight action ([Note: deferred weight gradients]); do not replace parameters during a step"
         )
     return param
+
+
+def _current(address: int) -> Optional[tuple[nn.Parameter, bool]]:
+    """The parameter at ``address`` now, if a swapped layer registers it."""
+    param = _PARAMS.get(address)
+    return param if param is not None and param[0].data_ptr() == address else None
 
 
 def _apply(collected: list[tuple[Owners, Tensor, Tensor]]) -> None:
