@@ -78,8 +78,8 @@ TWO = [
     case("llama_compiled", "hf_llama", {"num_microbatches": 4, "schedule": "Interleaved1F1B", "compile": COMPILE},
          trainer=ACCUM, fns=["fit", "validate"]),
     # compiled blocks under a schedule that splits the backward: Llama's linear layers' weight gradients wait for the
-    # weight actions ([Note: deferred weight gradients]); GPT-2's layers are Conv1D, so its stages run their whole
-    # backward in the input action; GPT-2's tied embedding and head both on rank 0 (ZBV's first and last stage)
+    # weight actions ([Note: deferred weight gradients]), and so do GPT-2's Conv1D layers; GPT-2's tied embedding and
+    # head both on rank 0 (ZBV's first and last stage)
     case("llama_compiled_dualpipev", "hf_llama", {"num_microbatches": 4, "schedule": "DualPipeV", "compile": COMPILE},
          trainer=ACCUM),
     case("gpt2_compiled_zbv", "hf_gpt2", {"num_microbatches": 4, "schedule": "ZBVZeroBubble", "compile": COMPILE},
