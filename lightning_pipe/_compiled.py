@@ -15,10 +15,12 @@ gradient is computed in the input action, which runs the whole backward ([Note: 
 ``_step/deferred_linear.py``). Exact, and the bulk of a transformer's weight-gradient work still fills the bubble.
 
 Linear layers sharded by ``fully_shard`` defer theirs too: the forward sees them unsharded, and under these schedules
-their units reduce-scatter after the schedule, after every weight action. Where they are split over tensor ranks,
-their weight gradients cannot wait (a ``DTensor`` weight's gradient is computed by DTensor's own backward): they are
-computed in the input action. Exact too, but the schedule's gain is lost, a warning says so at setup, and
-``schedule="auto"`` weighs only the schedules that do not split the backward there. Nothing falls back to eager.
+their units reduce-scatter after the schedule, after every weight action. So do linear layers split over tensor ranks
+by output or by input features (``ColwiseParallel``, ``RowwiseParallel``, sequence-parallel or not): their local
+parts run the op, as DTensor's own ``F.linear`` runs them. A layer split in another layout (or a split ``Conv1D``)
+computes its weight gradient in the input action: exact too, but the schedule's gain is lost there, a warning that
+names the layers says so at setup, and ``schedule="auto"`` weighs only the schedules that do not split the backward.
+Nothing falls back to eager.
 """
 
 from __future__ import annotations
@@ -40,13 +42,15 @@ def compiled_stages(backbone: Any, bounds: dict[int, tuple[int, int]]) -> frozen
                                                                      for i in range(start, stop)))
 
 
-def whole_backward_warning(schedule: str) -> str:
-    """What a run of a schedule that splits the backward with compiled tensor-parallel blocks is told ([Note: compiled
-    blocks])."""
+def whole_backward_warning(schedule: str, layers: list[str]) -> str:
+    """What a run of a schedule that splits the backward is told where compiled blocks hold linear layers split over
+    tensor ranks in a layout whose weight gradient cannot wait ([Note: compiled blocks])."""
     return (
-        f"`PipelineStrategy(schedule={schedule!r})` with compiled blocks split over tensor ranks: torch cannot split"
-        " a compiled block's backward into its input- and weight-gradient parts (pytorch#161904), and linear layers"
-        " split over tensor ranks cannot defer their weight gradients, so they are computed in the input-gradient"
-        " action. Training is exact, but those weight gradients no longer fill the bubble: 'Interleaved1F1B' or"
-        " '1F1B' run as fast here."
+        f"`PipelineStrategy(schedule={schedule!r})` with compiled blocks: torch cannot split a compiled block's"
+        " backward into its input- and weight-gradient parts (pytorch#161904), and the linear layers"
+        f" {', '.join(repr(name) for name in layers)} are split over tensor ranks in a layout that cannot defer their"
+        " weight gradients (only a split by output features, as `ColwiseParallel`'s, or by input features, as"
+        " `RowwiseParallel`'s, of an `nn.Linear` can), so theirs are computed in the input-gradient action. Training"
+        " is exact, but those weight gradients do not fill the bubble: split them with `ColwiseParallel` or"
+        " `RowwiseParallel`, or run 'Interleaved1F1B' or '1F1B', as fast here."
     )

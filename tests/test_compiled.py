@@ -206,19 +206,75 @@ def test_lengths_that_change_compile_once_more_and_stay_exact():
     assert max((got[1][k] - want[1][k]).abs().max().item() for k in want[1]) < 1e-5
 
 
+#: Blocks split over two tensor ranks, in a process of its own (a fake process group: no peer runs, and the test's
+#: process keeps no group): what defers, and what ``schedule="auto"`` weighs.
+SPLIT_BLOCKS = """
+import json, sys
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from transformers.pytorch_utils import Conv1D
+from lightning_pipe._compiled import whole_backward_warning
+from lightning_pipe._lightning.options import validated_options
+from lightning_pipe._model.backbone import find_backbone
+from lightning_pipe._step.auto import _schedules_for
+from lightning_pipe._step.deferred_linear import undeferred_split_layers
+
+dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tensor_parallel",))
+
+def block(odd):
+    b = nn.ModuleDict({"norm": nn.LayerNorm(4), "up": nn.Linear(4, 8), "down": nn.Linear(8, 4, bias=False),
+                       "whole": nn.Linear(4, 4), "odd": nn.Linear(4, 4), "conv": Conv1D(8, 4)})
+    parallelize_module(b, mesh, {"norm": SequenceParallel(), "up": ColwiseParallel(input_layouts=Shard(1)),
+                                 "down": RowwiseParallel(output_layouts=Shard(1))})
+    if odd:  # split by output features with a replicated bias; a Conv1D split at all
+        b.odd.weight = nn.Parameter(distribute_tensor(b.odd.weight.detach(), mesh, [Shard(0)]))
+        b.odd.bias = nn.Parameter(distribute_tensor(b.odd.bias.detach(), mesh, [Replicate()]))
+        b.conv.weight = nn.Parameter(distribute_tensor(b.conv.weight.detach(), mesh, [Shard(1)]))
+    return b
+
+split = validated_options(pipeline_parallel_size=2, schedule="auto", compile=True, tensor_parallel_size=2)
+result = {}
+for odd in (False, True):
+    backbone = find_backbone(nn.ModuleDict({"layers": nn.ModuleList([block(odd), block(False)])}), "layers")
+    blocks = [backbone.module(i) for i in range(len(backbone))]
+    result[str(odd)] = {"undeferred": undeferred_split_layers(blocks), "schedules": _schedules_for(split, backbone)}
+result["warning"] = whole_backward_warning("DualPipeV", result["True"]["undeferred"])
+json.dump(result, sys.stdout)
+"""
+
+
 def test_auto_weighs_the_split_schedules_where_compiled_blocks_defer():
     """``schedule="auto"`` with compiled blocks: every schedule where the linear layers can defer their weight
-    gradients, replicated or sharded; split over tensor ranks, only those that do not split the backward (the others
-    would be credited a gain they do not have)."""
+    gradients: replicated, sharded, or split over tensor ranks by output or by input features (``ColwiseParallel``,
+    ``RowwiseParallel``, sequence-parallel or not); where a block holds a layer split in another layout, only those
+    that do not split the backward (the others would be credited a gain they do not have), and the warning names the
+    layers and the fix."""
+    import json
+    import subprocess
+    import sys
+
     from lightning_pipe._lightning.options import validated_options
     from lightning_pipe._step.auto import _schedules_for
 
     replicated = validated_options(pipeline_parallel_size=2, schedule="auto", compile=True)
     sharded = validated_options(pipeline_parallel_size=2, schedule="auto", compile=True, data_parallel="fsdp")
     split = validated_options(pipeline_parallel_size=2, schedule="auto", compile=True, tensor_parallel_size=2)
-    assert _schedules_for(replicated, None) == _schedules_for(sharded, None) == SCHEDULE_NAMES
-    assert set(_schedules_for(split, None)) == {n for n in SCHEDULE_NAMES if not schedule_spec(n).splits_backward}
+    assert _schedules_for(replicated, None) == _schedules_for(sharded, None) == _schedules_for(split, None)
+    assert _schedules_for(split, None) == SCHEDULE_NAMES
     assert {"ZBVZeroBubble", "DualPipeV", "InterleavedZeroBubble"} <= set(SCHEDULE_NAMES)
+
+    run = subprocess.run([sys.executable, "-c", SPLIT_BLOCKS], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-4000:]
+    got = json.loads(run.stdout)
+    assert got["False"] == {"undeferred": [], "schedules": list(SCHEDULE_NAMES)}
+    assert got["True"]["undeferred"] == ["conv", "odd"]
+    assert set(got["True"]["schedules"]) == {n for n in SCHEDULE_NAMES if not schedule_spec(n).splits_backward}
+    assert "'conv', 'odd'" in got["warning"] and "ColwiseParallel" in got["warning"]
 
 
 def test_deferred_weight_gradients_under_autocast_equal_torchs_split():

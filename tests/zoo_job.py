@@ -12,7 +12,7 @@ after the other in the same processes (starting processes costs more than a smal
   ``["fit"]``);
 - ``save``: a path to ``trainer.save_checkpoint`` after the fns; ``ckpt_path``: for ``fit``;
 - ``count_deferred``: count the linear weight gradients the schedule's weight actions compute ([Note: deferred
-  weight gradients]), recorded as ``deferred``;
+  weight gradients]), recorded as ``deferred``, with the warnings the phase's calls gave (``warnings``);
 - ``expect_error``: the phase must raise; its message is recorded. An unexpected error is recorded too (the rank's
   ``OUT_DIR/<name>.rank<r>.pt`` holds its traceback) and then stops the launch: its ranks may be out of step.
 
@@ -24,10 +24,12 @@ keep ``input_lengths``). :func:`run_phase` runs one phase in the calling process
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
 import traceback
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -108,29 +110,35 @@ def run_phase(phase: dict[str, Any], devices: int) -> dict[str, Any]:
 
         apply = deferred_linear._apply
         deferred_linear._apply = lambda collected: (applied.append(len(collected)), apply(collected))[1]
-    try:
-        for fn in phase.get("fns", ["fit"]):
-            if fn == "fit":
-                val_in_fit = val if phase.get("validate_in_fit") else None
-                trainer.fit(model, train, val_in_fit, ckpt_path=phase.get("ckpt_path"))
-            elif fn == "validate":
-                result["validated"] = trainer.validate(model, val, verbose=False)
-            elif fn == "predict":
-                result["predictions"] = [p.cpu() for p in trainer.predict(model, val)]
-        if "save" in phase:
-            trainer.save_checkpoint(phase["save"])
-        if "hf_save" in phase and isinstance(trainer.strategy, PipelineStrategy):  # not by the one-process reference
-            trainer.strategy.save_pretrained(Path(phase["hf_save"]) / "parallel")  # after the call: in parallel,
-            if trainer.is_global_zero:  # and the user's line on global zero
-                model.model.save_pretrained(Path(phase["hf_save"]) / "plain")
-    except Exception as err:
-        if not phase.get("expect_error"):
-            raise
-        result["error"] = "".join(traceback.format_exception_only(type(err), err))
-    finally:
-        if phase.get("count_deferred"):
-            deferred_linear._apply = apply
-            result["deferred"] = sum(applied)
+    counting = phase.get("count_deferred")
+    with warnings.catch_warnings(record=True) if counting else contextlib.nullcontext() as given:
+        if counting:  # what the phase's calls warn
+            warnings.simplefilter("always")
+        try:
+            for fn in phase.get("fns", ["fit"]):
+                if fn == "fit":
+                    val_in_fit = val if phase.get("validate_in_fit") else None
+                    trainer.fit(model, train, val_in_fit, ckpt_path=phase.get("ckpt_path"))
+                elif fn == "validate":
+                    result["validated"] = trainer.validate(model, val, verbose=False)
+                elif fn == "predict":
+                    result["predictions"] = [p.cpu() for p in trainer.predict(model, val)]
+            if "save" in phase:
+                trainer.save_checkpoint(phase["save"])
+            if "hf_save" in phase and isinstance(trainer.strategy, PipelineStrategy):  # not by the one-process one
+                trainer.strategy.save_pretrained(Path(phase["hf_save"]) / "parallel")  # after the call: in parallel,
+                if trainer.is_global_zero:  # and the user's line on global zero
+                    model.model.save_pretrained(Path(phase["hf_save"]) / "plain")
+        except Exception as err:
+            if not phase.get("expect_error"):
+                raise
+            result["error"] = "".join(traceback.format_exception_only(type(err), err))
+        finally:
+            if phase.get("count_deferred"):
+                deferred_linear._apply = apply
+                result["deferred"] = sum(applied)
+    if counting:
+        result["warnings"] = [str(w.message) for w in given]
     pipelined = isinstance(trainer.strategy, PipelineStrategy)
     summaries = [cb for cb in trainer.callbacks if isinstance(cb, ModelSummary)]
     if summaries:  # what the summary reports as the model's size (computed on every rank alike)

@@ -46,6 +46,7 @@ from lightning_pipe._bytes import format_bytes
 from lightning_pipe._calls.batch import batch_tensors
 from lightning_pipe._compiled import compiled
 from lightning_pipe._simulate import ACTION_OVERHEAD_S, StageCosts, peak_memory, simulate
+from lightning_pipe._step.deferred_linear import undeferred_split_layers
 from lightning_pipe._step.microbatches import default_num_microbatches, divisors, largest_divisor_at_most
 from lightning_pipe.partition import StageLayout
 from lightning_pipe.schedules import SCHEDULE_NAMES, Config, schedule_spec
@@ -440,12 +441,13 @@ class Chooser:
 
 
 def _schedules_for(options: PipelineOptions, backbone: Optional[Backbone]) -> tuple[str, ...]:
-    """Every schedule; with compiled blocks split over tensor ranks, those that do not split the backward: such a
-    block's linear layers cannot hand their weight gradients to the weight action, and the cost model would credit
-    the others with a gain they do not have ([Note: deferred weight gradients]). Sharded blocks defer theirs."""
+    """Every schedule; where compiled blocks hold linear layers split over tensor ranks in a layout whose weight
+    gradient cannot wait (read off blocks split already; torch's ``ColwiseParallel`` and ``RowwiseParallel`` layouts
+    defer theirs), those that do not split the backward: the cost model would credit the others with a gain they do
+    not have ([Note: deferred weight gradients])."""
     blocks = [backbone.module(i) for i in range(len(backbone))] if backbone is not None else []
     if options.compile is None and not any(compiled(b) for b in blocks):
         return SCHEDULE_NAMES
-    if options.tensor_parallel_size == 1:
+    if options.tensor_parallel_size == 1 or not undeferred_split_layers(blocks):
         return SCHEDULE_NAMES
     return tuple(name for name in SCHEDULE_NAMES if not schedule_spec(name).splits_backward)

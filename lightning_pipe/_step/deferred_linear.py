@@ -50,10 +50,24 @@ reach that sum at another hook, so bf16 rounds them in other groups: a run diffe
 last bf16 digits, and is as far from the fp32 run as that split is (measured: losses within 6.2e-4 of fp32 against
 the split's 8.6e-4).
 
-Layers stay as they are where their weight gradient cannot wait: frozen (``requires_grad=False``); a call with
-weights split over tensor ranks (``DTensor``), an input that needs no gradient (nothing to hand over) or a forward
-without autograd runs plain ``F.linear``. Under autocast, the layer casts its input and parameters as autocast casts
-``F.linear``'s, and the weight gradient is cast back to the parameter's dtype, as autograd's ``ToCopyBackward`` does.
+A layer split over tensor ranks (``DTensor`` weight and input) defers too, where its layout is one DTensor's own
+``F.linear`` runs as ``F.linear`` of the local parts: split by output features (``ColwiseParallel``: weight and bias
+``Shard(0)``, input replicated, output ``Shard(-1)``) or by input features (``RowwiseParallel``: weight ``Shard(1)``,
+input ``Shard(-1)``, output ``Partial``, to which each rank adds its share of the replicated bias, the bias divided by
+the tensor ranks as DTensor divides it). The op runs on the local parts, and its output and input gradient are wrapped
+in the placements DTensor's backward gives them (the input's gradient ``Partial`` where the input is replicated), so the
+collectives of the layer's ``ParallelStyle`` run as before, in the input action. The local weight and bias gradients
+are computed by the same formula from the local input and the local output gradient (replicated over the tensor ranks
+for a ``Partial`` output, so a replicated bias gets the same sum on every rank), and added to ``.grad`` in the
+parameter's placements. That is DTensor's own computation, term for term (measured bit for bit against eager DTensor,
+fp32 and bf16 autocast, with and without bias and sequence parallelism). FSDP's unsharded parameters of a split layer
+are DTensors over the tensor ranks; both are looked up by their local part's address.
+
+Layers stay as they are where their weight gradient cannot wait: frozen (``requires_grad=False``); a call whose layout
+is split in any other way (or a split ``Conv1D``; :func:`undeferred_split_layers` names them at setup), an input that
+needs no gradient (nothing to hand over) or a forward without autograd runs plain ``F.linear``. Under autocast, the
+layer casts its input and parameters as autocast casts ``F.linear``'s, and the weight gradient is cast back to the
+parameter's dtype, as autograd's ``ToCopyBackward`` does.
 """
 
 from __future__ import annotations
@@ -65,7 +79,10 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
+
+from lightning_pipe._parallel_dims import TENSOR, is_tensor_parallel
 
 #: A layer's weight and bias (``None`` without one), whose gradients a hand-over carries, and whether the weight is
 #: stored ``(in, out)``.
@@ -131,15 +148,68 @@ class DeferredLinear(nn.Linear):
     _lp_class: type[nn.Linear]
 
     def forward(self, input: Tensor) -> Tensor:
-        weight_param, bias_param = weight, bias = self.weight, self.bias
+        weight, bias = self.weight, self.bias
+        if isinstance(weight, DTensor):
+            return _split_linear(input, weight, bias)
         if not _defers(input, weight, bias):
             return F.linear(input, weight, bias)
-        device = input.device.type
-        if torch.is_autocast_enabled(device):
-            dtype = torch.get_autocast_dtype(device)
-            input, weight = input.to(dtype), weight.to(dtype)
-            bias = bias.to(dtype) if bias is not None else None
-        return torch.ops.lightning_pipe.deferred_linear(input, weight, bias, weight_param, bias_param)
+        return _local_linear(input, weight, bias)
+
+
+def _local_linear(
+    x: Tensor, weight: Tensor, bias: Optional[Tensor], shared_over: Optional[DeviceMesh] = None
+) -> Tensor:
+    """``F.linear`` on plain tensors through the deferring op, cast as autocast casts ``F.linear``'s arguments. With
+    ``shared_over``, the output is this rank's part of a sum over that mesh and the bias is replicated over it: the
+    op adds this rank's share of it, as DTensor's ``F.linear`` does (from ``Replicate`` to ``Partial``)."""
+    weight_param, bias_param = weight, bias
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        x, weight = x.to(dtype), weight.to(dtype)
+        bias = bias.to(dtype) if bias is not None else None
+    if shared_over is not None and bias is not None:
+        bias = bias.detach() / shared_over.size()  # DTensor's share of a sum (`Partial._partition_value`)
+    return torch.ops.lightning_pipe.deferred_linear(x, weight, bias, weight_param, bias_param)
+
+
+def _split_linear(x: Tensor, weight: DTensor, bias: Optional[Tensor]) -> Tensor:
+    """A layer split over tensor ranks ([Note: deferred weight gradients]): DTensor's ``F.linear`` computes each
+    rank's part of the output as ``F.linear`` of the local parts, so the op runs on them, and the gradients of the
+    local parts are the local parts of the layer's gradients.
+
+    - Split by output features (``ColwiseParallel``: weight and bias ``Shard(0)``, input replicated): the output is
+      ``Shard(-1)``; the input's gradient, each rank's part of a sum, is ``Partial``, as DTensor's backward leaves it.
+    - Split by input features (``RowwiseParallel``: weight ``Shard(1)``, input ``Shard(-1)``, bias replicated): the
+      output is ``Partial``, each rank adding its share of the bias; the output's gradient comes back replicated, so
+      the bias's (the rows' sum) is the same on every rank, ``Replicate`` as the bias.
+
+    Any other layout, or a call with nothing to hand over, runs DTensor's ``F.linear``."""
+    style = _split_style(x, weight, bias)
+    if style is None or not (torch.is_grad_enabled() and x.requires_grad and weight.requires_grad
+                             and (bias is None or bias.requires_grad)):
+        return F.linear(x, weight, bias)
+    mesh, local_bias = weight.device_mesh, bias.to_local() if bias is not None else None
+    if style == "colwise":
+        out = _local_linear(x.to_local(grad_placements=[Partial()]), weight.to_local(), local_bias)
+        return DTensor.from_local(out, mesh, [Shard(out.dim() - 1)], run_check=False)
+    out = _local_linear(x.to_local(grad_placements=[Shard(x.dim() - 1)]), weight.to_local(), local_bias, mesh)
+    return DTensor.from_local(out, mesh, [Partial()], run_check=False)
+
+
+def _split_style(x: Tensor, weight: DTensor, bias: Optional[Tensor]) -> Optional[str]:
+    """``"colwise"`` or ``"rowwise"`` where a call's layout is one :func:`_split_linear` defers, else ``None``."""
+    if weight.device_mesh.ndim != 1 or not isinstance(x, DTensor) or x.device_mesh != weight.device_mesh:
+        return None
+    if bias is not None and (not isinstance(bias, DTensor) or bias.device_mesh != weight.device_mesh):
+        return None
+    (placement,), (x_placement,) = weight.placements, x.placements
+    if placement == Shard(0) and x_placement == Replicate() and (bias is None or bias.placements == (Shard(0),)):
+        return "colwise"
+    if (placement == Shard(1) and x_placement == Shard(x.dim() - 1)
+            and (bias is None or bias.placements == (Replicate(),))):
+        return "rowwise"
+    return None
 
 
 class _DeferredConv1D:
@@ -184,8 +254,8 @@ def _deferred_class(layer: nn.Module) -> type:
 
 def _deferrable(layer: nn.Module) -> bool:
     """A plain linear layer (or ``Conv1D``) whose parameters all train. Its weight may be a ``DTensor`` here: a
-    sharded unit's, which the forward sees unsharded (a plain parameter) and defers, or a tensor-parallel one, which
-    it runs plainly (:func:`_defers`)."""
+    sharded unit's, which the forward sees unsharded and defers, or a tensor-parallel one, which defers in the layouts
+    :func:`_split_linear` knows."""
     if type(layer) is not nn.Linear and not _is_conv1d(layer):
         return False
     weight, bias = layer.weight, layer.bias
@@ -193,11 +263,37 @@ def _deferrable(layer: nn.Module) -> bool:
 
 
 def _defers(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> bool:
-    """Whether a swapped layer's call defers its weight gradient: under autograd, with an input that needs a gradient
-    (else there is nothing to hand over) and parameters that are not split over tensor ranks (a ``DTensor``'s
-    gradient is DTensor's own backward's)."""
+    """Whether a swapped layer's call on plain parameters (for a ``Conv1D``, not split over tensor ranks either)
+    defers its weight gradient: under autograd, with an input that needs a gradient (else there is nothing to hand
+    over)."""
     return (torch.is_grad_enabled() and x.requires_grad and weight.requires_grad
             and (bias is None or bias.requires_grad) and not isinstance(weight, DTensor))
+
+
+def undeferred_split_layers(blocks: Iterable[nn.Module]) -> list[str]:
+    """The names of the linear layers of ``blocks`` split over tensor ranks in a layout whose weight gradient cannot
+    wait (:func:`_split_linear`: a ``Conv1D``, or a split neither by output nor by input features): DTensor's own
+    backward computes theirs, in the input action. Read off the parameters (sharded ones too: their placement over
+    the tensor ranks is the layer's)."""
+    names = set()
+    for block in blocks:
+        for name, layer in block.named_modules():
+            if not _deferrable(layer) or _split_over_tensor_ranks(layer.weight) is None:
+                continue
+            weight, bias = _split_over_tensor_ranks(layer.weight), _split_over_tensor_ranks(layer.bias)
+            colwise = weight == Shard(0) and (layer.bias is None or bias == Shard(0))
+            rowwise = weight == Shard(1) and bias is None  # the bias replicated, or none
+            if _is_conv1d(layer) or not (colwise or rowwise):
+                names.add(name)
+    return sorted(names)
+
+
+def _split_over_tensor_ranks(param: Optional[Tensor]) -> Optional[Placement]:
+    """A parameter's placement over the tensor ranks, if it is split over several (else ``None``)."""
+    if not isinstance(param, DTensor) or not is_tensor_parallel(param.device_mesh):
+        return None
+    placement = param.placements[list(param.device_mesh.mesh_dim_names or ()).index(TENSOR)]
+    return None if isinstance(placement, Replicate) else placement
 
 
 @contextmanager
@@ -230,21 +326,26 @@ def deferred_linears(blocks: Iterable[nn.Module]) -> Iterator[int]:
 
 
 def _refresh(full: bool = False) -> None:
-    """:data:`_PARAMS` from the parameters the swapped layers register now: FSDP's unsharded ones while their unit is
-    unsharded (its sharded ``DTensor`` ones are never handed over), a storage freed by resharding left out. Unless
-    ``full``, only the blocks whose first parameter is not registered as it is now (a unit unsharded since; with
-    ``reshard_after_forward=True`` that is one block per lookup, not every block); stale entries stay, and
-    :func:`_owner` never takes one."""
+    """:data:`_PARAMS` from the parameters the swapped layers register now, by their local part's address: FSDP's
+    unsharded ones while their unit is unsharded (its sharded ones are never handed over), a storage freed by
+    resharding left out. Unless ``full``, only the blocks whose first parameter is not registered as it is now (a
+    unit unsharded since; with ``reshard_after_forward=True`` that is one block per lookup, not every block); stale
+    entries stay, and :func:`_owner` never takes one."""
     if full:
         _PARAMS.clear()
     for group in _SWAPPED:
         first = group[0].weight
-        if not full and (isinstance(first, DTensor) or _PARAMS.get(first.data_ptr(), (None,))[0] is first):
+        if not full and _PARAMS.get(_address(first), (None,))[0] is first:
             continue
         for layer in group:
             for param, transposed in ((layer.weight, isinstance(layer, _DeferredConv1D)), (layer.bias, False)):
-                if param is not None and not isinstance(param, DTensor) and param.data_ptr() != 0:
-                    _PARAMS[param.data_ptr()] = (param, transposed)
+                if param is not None and _address(param) != 0:
+                    _PARAMS[_address(param)] = (param, transposed)
+
+
+def _address(param: Tensor) -> int:
+    """Where a parameter's values are: a ``DTensor``'s, its local part's (what a split layer's call hands over)."""
+    return param._local_tensor.data_ptr() if isinstance(param, DTensor) else param.data_ptr()
 
 
 class Deferral:
@@ -304,7 +405,7 @@ def _owner(tensor: Tensor) -> tuple[nn.Parameter, bool]:
 def _current(address: int) -> Optional[tuple[nn.Parameter, bool]]:
     """The parameter at ``address`` now, if a swapped layer registers it."""
     param = _PARAMS.get(address)
-    return param if param is not None and param[0].data_ptr() == address else None
+    return param if param is not None and _address(param[0]) == address else None
 
 
 def _apply(collected: list[tuple[Owners, Tensor, Tensor]]) -> None:
@@ -319,6 +420,9 @@ def _apply(collected: list[tuple[Owners, Tensor, Tensor]]) -> None:
 
 def _accumulate(param: Tensor, grad: Tensor) -> None:
     grad = grad.to(param.dtype)
+    if isinstance(param, DTensor):  # a split layer's local gradient: its parameter's part, in its layout
+        grad = DTensor.from_local(grad, param.device_mesh, param.placements, run_check=False, shape=param.shape,
+                                  stride=param.stride())
     if param.grad is None:
         param.grad = grad
     else:

@@ -62,6 +62,7 @@ from lightning_pipe._model.shard import StageSharding
 from lightning_pipe._model.structure import everything_ghosted
 from lightning_pipe._model.untouched import untouched
 from lightning_pipe._step.auto import Choice, Trial, describe_choice
+from lightning_pipe._step.deferred_linear import undeferred_split_layers
 from lightning_pipe._step.generation import Generates, LockStep, StepFailed
 from lightning_pipe._step.gradients import Gradients
 from lightning_pipe._step.last_backward import ReductionOverlap
@@ -179,8 +180,9 @@ class PipelineRuntime:
             s: [cut.backbone.module(i) for i in range(*bounds[s])] for s in compiled_stages(cut.backbone, bounds)
         }
         self.pipeline.defer_weights()
-        if cut.parallelism.tensor_parallel and self.pipeline.deferring and schedule.splits_backward:
-            warnings.warn(whole_backward_warning(schedule.name), stacklevel=2)
+        undeferred = undeferred_split_layers(b for blocks in self.pipeline.deferring.values() for b in blocks)
+        if undeferred and schedule.splits_backward:
+            warnings.warn(whole_backward_warning(schedule.name, undeferred), stacklevel=2)
         self.pipeline.check_schedule()
         last, size = self.pipeline.last_stage_rank, layout.pipeline_size
         # [Note: the step's result, sent before the schedule ends]: when the last stage shares the first's rank
