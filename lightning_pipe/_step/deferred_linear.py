@@ -345,7 +345,10 @@ def _refresh(full: bool = False) -> None:
 
 def _address(param: Tensor) -> int:
     """Where a parameter's values are: a ``DTensor``'s, its local part's (what a split layer's call hands over)."""
-    return param._local_tensor.data_ptr() if isinstance(param, DTensor) else param.data_ptr()
+    if isinstance(param, DTensor):
+        with torch.no_grad():  # the local part itself, not a view that autograd records
+            return param.to_local().data_ptr()
+    return param.data_ptr()
 
 
 class Deferral:
