@@ -278,9 +278,10 @@ def undeferred_split_layers(blocks: Iterable[nn.Module]) -> list[str]:
     names = set()
     for block in blocks:
         for name, layer in block.named_modules():
-            if not _deferrable(layer) or _split_over_tensor_ranks(layer.weight) is None:
+            weight = _split_over_tensor_ranks(layer.weight) if _deferrable(layer) else None
+            if weight is None:
                 continue
-            weight, bias = _split_over_tensor_ranks(layer.weight), _split_over_tensor_ranks(layer.bias)
+            bias = _split_over_tensor_ranks(layer.bias)
             colwise = weight == Shard(0) and (layer.bias is None or bias == Shard(0))
             rowwise = weight == Shard(1) and bias is None  # the bias replicated, or none
             if _is_conv1d(layer) or not (colwise or rowwise):
