@@ -218,7 +218,7 @@ def test_a_partial_pass_carries_what_its_call_produces_to_its_answer_stage() -> 
     encoder's output, which they are given."""
     from types import SimpleNamespace
 
-    from lightning_pipe._model.flow import make_pass_flow
+    from lightning_pipe._calls.flow import make_pass_flow
     from lightning_pipe.partition import StageLayout
 
     norm = ("module", "model.encoder.final_layer_norm", 0, 0)

@@ -319,8 +319,8 @@ def test_a_module_emptied_by_the_cut_answers_from_its_ghosts_while_the_step_runs
 def test_a_model_whose_blocks_are_all_it_holds_answers_from_its_ghosts_while_the_step_runs():
     """[Note: emptied models]: GPT-1's model on the last stage holds its blocks but not the embeddings, and its forward
     reads ``next(self.parameters())``; while the step runs, runners stand in for the blocks, so it holds nothing."""
+    from lightning_pipe._calls.emptied import ghost_parameters, lend_ghost_parameters
     from lightning_pipe._ghost import ghost_of
-    from lightning_pipe._model.emptied import ghost_parameters, lend_ghost_parameters
 
     model = nn.Module()
     model.embed, model.blocks = nn.Embedding(VOCAB, DIM), nn.ModuleList([Block(), Block()])

@@ -14,5 +14,14 @@ hold :class:`~lightning_pipe._calls.runners.Runner`\ s instead of the blocks
 - :mod:`~lightning_pipe._calls.skipped`: what a block that a run skips returns;
 - :mod:`~lightning_pipe._calls.stops`: how a run ends early (``Stop``), and the errors of a step that calls the
   backbone other than once;
-- :mod:`~lightning_pipe._calls.batch`: the batch's rows, the loss, and the user's step called with logging muted.
+- :mod:`~lightning_pipe._calls.batch`: the batch's rows, the loss, and the user's step called with logging muted;
+- :mod:`~lightning_pipe._calls.blocks`: the backbone's blocks and containers (``Backbone``), whose module tables a run
+  swaps for its runners;
+- :mod:`~lightning_pipe._calls.flow`: what crosses each stage boundary ([Note: stage boundaries]);
+- :mod:`~lightning_pipe._calls.inner`: values that leave a block through a hook inside it ([Note: values from inside
+  blocks]);
+- :mod:`~lightning_pipe._calls.emptied`: modules the cut left without a parameter, answering ``dtype`` and, while a
+  run is in progress, ``parameters()`` ([Note: emptied models]).
+
+Nothing here imports :mod:`lightning_pipe._model`, which uses this package at setup.
 """

@@ -14,9 +14,9 @@ from typing import Any, Optional, Union
 from torch import Tensor
 from torch.utils._pytree import TreeSpec
 
+from lightning_pipe._calls.flow import Producer, Unsendable
+from lightning_pipe._calls.inner import InnerCall
 from lightning_pipe._errors import BackboneCallError
-from lightning_pipe._model.flow import Producer, Unsendable
-from lightning_pipe._model.inner import InnerCall
 
 #: ``("arg", position)`` or ``("kwarg", name)``: where a block call carries the hidden state.
 HiddenAt = tuple[str, Union[int, str]]
@@ -58,7 +58,7 @@ class Structure:
     region_params: dict[int, set[int]] = field(default_factory=dict)  # parameter id -> regions that read it
     region_modules: dict[int, set[int]] = field(default_factory=dict)  # module id -> regions that call it
     #: per block: the calls inside it of modules with forward hooks, replayed where it is skipped ([Note: values from
-    #: inside blocks] in :mod:`lightning_pipe._model.inner`); empty unless a value leaves a block that way
+    #: inside blocks] in :mod:`lightning_pipe._calls.inner`); empty unless a value leaves a block that way
     inner_calls: dict[int, list[InnerCall]] = field(default_factory=dict)
     #: per producer module outside the blocks: the region of each of its calls, in order (a call that runs only some
     #: containers, an encoder-decoder's decoder, counts its calls from its first region: [Note: partial passes])

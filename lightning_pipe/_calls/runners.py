@@ -22,16 +22,16 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves
 
 from lightning_pipe._calls.batch import call_muted, hidden_rows_per_row, rows_dim, slice_batch
+from lightning_pipe._calls.blocks import Backbone
+from lightning_pipe._calls.emptied import ghost_parameters
+from lightning_pipe._calls.flow import Producer
+from lightning_pipe._calls.inner import inner_returned
 from lightning_pipe._calls.packed import PackedMedia
 from lightning_pipe._calls.records import HiddenAt, Structure, get_hidden
 from lightning_pipe._calls.skipped import SkippedBlocks
 from lightning_pipe._calls.stops import BackboneNotCalledError, SecondPass, Stop
 from lightning_pipe._errors import BackboneCallError
 from lightning_pipe._ghost import ghost_of
-from lightning_pipe._model.backbone import Backbone
-from lightning_pipe._model.emptied import ghost_parameters
-from lightning_pipe._model.flow import Producer
-from lightning_pipe._model.inner import inner_returned
 
 
 class Runner(nn.Module):

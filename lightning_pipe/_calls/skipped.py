@@ -1,6 +1,6 @@
 """What a block that a run skips returns: the values received for it, ghosts of the right shapes for the rest
 (:class:`SkippedBlocks`, a base of :class:`~lightning_pipe._calls.runners.BlockRunners`), and the hooked calls inside
-it replayed ([Note: values from inside blocks] in :mod:`lightning_pipe._model.inner`)."""
+it replayed ([Note: values from inside blocks] in :mod:`lightning_pipe._calls.inner`)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves, tree_unflatten
 
+from lightning_pipe._calls.flow import Producer
+from lightning_pipe._calls.inner import replay
 from lightning_pipe._calls.records import BlockIO, Structure
 from lightning_pipe._ghost import Ghost, ghost_of
-from lightning_pipe._model.flow import Producer
-from lightning_pipe._model.inner import replay
 
 
 class SkippedBlocks:

@@ -275,7 +275,7 @@ PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     # _model/cut.py, _model/materialize.py, _model/structure.py, _lightning/callbacks.py
     ("torch.nn", "Module._parameters"),
     ("torch.nn", "Module._buffers"),  # _model/cut.py, _model/materialize.py, _model/structure.py
-    ("torch.nn", "Module._modules"),  # _model/backbone.py
+    ("torch.nn", "Module._modules"),  # _model/backbone.py, _calls/blocks.py
     ("torch.nn", "Module._non_persistent_buffers_set"),  # _model/cut.py
     ("torch.nn", "Module._forward_pre_hooks"),  # _compat/parallel.py: fsdp_hooks_suspended
     ("torch.nn", "Module._forward_hooks"),  # _compat/parallel.py: fsdp_hooks_suspended
@@ -295,7 +295,7 @@ PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     # torch: compiled modules (_compiled.py: a block the user compiled is recognised, not compiled twice)
     ("torch.nn", "Module._compiled_call_impl"),
     ("torch._dynamo.eval_frame", "OptimizedModule._orig_mod"),
-    # torch: forward hooks that run inside a block (_compat/transformers.py, _model/inner.py)
+    # torch: forward hooks that run inside a block (_compat/transformers.py, _calls/inner.py)
     ("torch.nn", "Module._forward_hooks_with_kwargs"),
     ("torch.nn", "Module._forward_hooks_always_called"),
     # torch: the parallel Hugging Face save (checkpoint/_hf.py): no public name consolidates on every rank

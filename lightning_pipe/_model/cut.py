@@ -33,17 +33,17 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from lightning_pipe._calls.records import Structure
-from lightning_pipe._ghost import Ghost, ghost_of
-from lightning_pipe._lightning.summary import parameter_counts
-from lightning_pipe._model.backbone import Backbone
-from lightning_pipe._model.emptied import (
+from lightning_pipe._calls.blocks import Backbone
+from lightning_pipe._calls.emptied import (
     forget_ghost_parameters,
     lend_ghost_dtype,
     lend_ghost_parameters,
     restore_classes,
 )
-from lightning_pipe._model.flow import make_flow
+from lightning_pipe._calls.flow import make_flow
+from lightning_pipe._calls.records import Structure
+from lightning_pipe._ghost import Ghost, ghost_of
+from lightning_pipe._lightning.summary import parameter_counts
 from lightning_pipe._model.names import ModelNames
 from lightning_pipe.partition import StageLayout
 

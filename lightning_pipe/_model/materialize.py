@@ -13,8 +13,9 @@ import torch
 from torch import nn
 from torchmetrics import Metric
 
+from lightning_pipe._calls.blocks import Backbone
 from lightning_pipe._lightning.seed import global_seed
-from lightning_pipe._model.backbone import Backbone, find_backbone
+from lightning_pipe._model.backbone import find_backbone
 
 
 # ---------------------------------------------------------------------------------------------- materialising

@@ -26,11 +26,11 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from lightning_pipe._calls.batch import loss_of
+from lightning_pipe._calls.blocks import Backbone
 from lightning_pipe._calls.records import HiddenAt, Structure, replace_hidden
 from lightning_pipe._calls.runners import BlockCalls, BlockRunners
 from lightning_pipe._lightning.hooks import STEP_HOOKS, step_args
 from lightning_pipe._lightning.log import LogRecorder
-from lightning_pipe._model.backbone import Backbone
 from lightning_pipe._model.untouched import untouched
 
 if TYPE_CHECKING:

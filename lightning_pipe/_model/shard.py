@@ -49,7 +49,7 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
     from lightning.pytorch.plugins.precision import Precision
 
-    from lightning_pipe._model.backbone import Backbone
+    from lightning_pipe._calls.blocks import Backbone
 
 log = logging.getLogger(__name__)
 

@@ -21,10 +21,11 @@ from torch import nn
 from torchmetrics import Metric
 
 from lightning_pipe._calls.batch import rows_dim
+from lightning_pipe._calls.blocks import Backbone
 from lightning_pipe._calls.records import Structure
 from lightning_pipe._calls.stops import BackboneNotCalledError
 from lightning_pipe._errors import BackboneCallError
-from lightning_pipe._model.backbone import Backbone, consecutive_candidates, find_backbone
+from lightning_pipe._model.backbone import consecutive_candidates, find_backbone
 from lightning_pipe._model.cut import Cut
 from lightning_pipe._model.structure import analyze
 from lightning_pipe.partition import StageLayout

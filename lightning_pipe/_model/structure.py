@@ -9,9 +9,9 @@ ghost (:mod:`lightning_pipe._ghost`): no compute, no memory, the same answer on 
 - how each block is called: where its hidden state is (and whether it is what the block before returned), and what
   it returns;
 - every value computed from parameters, from the block or module output that produces it to every use: what each
-  stage boundary carries ([Note: stage boundaries] in :mod:`lightning_pipe._model.flow`), outputs of modules inside a
+  stage boundary carries ([Note: stage boundaries] in :mod:`lightning_pipe._calls.flow`), outputs of modules inside a
   block that its forward hooks hand out included ([Note: values from inside blocks] in
-  :mod:`lightning_pipe._model.inner`);
+  :mod:`lightning_pipe._calls.inner`);
 - that the step can be cut: the blocks run once each, in order; a cache of keys and values from earlier calls is
   refused.
 
@@ -31,6 +31,9 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from lightning_pipe import _ghost
 from lightning_pipe._calls.batch import call_muted
+from lightning_pipe._calls.blocks import Backbone
+from lightning_pipe._calls.flow import Producer, Unsendable, block_position, region_position
+from lightning_pipe._calls.inner import record_call
 from lightning_pipe._calls.records import BlockIO, HiddenAt, OutputKind, Structure, replace_hidden
 from lightning_pipe._calls.runners import BlockCalls, BlockRunners, Runner, never_called
 from lightning_pipe._calls.stops import SecondPass
@@ -38,9 +41,6 @@ from lightning_pipe._compat.transformers import install_output_capturing, newly_
 from lightning_pipe._errors import BackboneCallError
 from lightning_pipe._ghost import Ghost, GhostValueError, ghost_of
 from lightning_pipe._lightning.metrics import metrics_set_aside, module_metrics
-from lightning_pipe._model.backbone import Backbone
-from lightning_pipe._model.flow import Producer, Unsendable, block_position, region_position
-from lightning_pipe._model.inner import record_call
 from lightning_pipe._model.untouched import no_ghosts_left
 
 log = logging.getLogger(__name__)

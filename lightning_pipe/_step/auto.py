@@ -52,8 +52,8 @@ from lightning_pipe.partition import StageLayout
 from lightning_pipe.schedules import SCHEDULE_NAMES, Config, schedule_spec
 
 if TYPE_CHECKING:
+    from lightning_pipe._calls.blocks import Backbone
     from lightning_pipe._lightning.options import PipelineOptions
-    from lightning_pipe._model.backbone import Backbone
     from lightning_pipe._model.profile import BlockCost
     from lightning_pipe._model.split import Analysis
     from lightning_pipe.partition import Size

@@ -12,7 +12,7 @@ blocks only. A model call that runs some of the backbone's containers is a pass 
   count from the first block's region (T5's shared embedding is the decoder's second call in training and its
   first here).
 - **What crosses.** The training flow, restricted to what the call produces, as far as its uses within the call
-  (:func:`~lightning_pipe._model.flow.make_pass_flow`): the encoder's output, an input of the decoder's calls on
+  (:func:`~lightning_pipe._calls.flow.make_pass_flow`): the encoder's output, an input of the decoder's calls on
   every rank, crosses nothing. The code after the call's last block runs on the *answer stage*, the stage that holds
   that code's parameters: the stage where the next container starts (the encoder's final norm), or the last.
 - **The other stages.** A stage with none of the call's blocks, before them or after the answer stage, passes on what
@@ -38,8 +38,8 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from torch import nn
 
+from lightning_pipe._calls.flow import Flow, make_pass_flow
 from lightning_pipe._errors import BackboneCallError
-from lightning_pipe._model.flow import Flow, make_pass_flow
 
 if TYPE_CHECKING:
     from lightning_pipe._model.cut import Cut

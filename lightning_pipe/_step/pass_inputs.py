@@ -10,10 +10,10 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 
 from lightning_pipe._calls.batch import slice_batch
+from lightning_pipe._calls.flow import Flow
 from lightning_pipe._compat.transformers import encoded_media_rows
 from lightning_pipe._errors import BackboneCallError
 from lightning_pipe._ghost import contains_ghost
-from lightning_pipe._model.flow import Flow
 from lightning_pipe._step.caches import BlockStates, PassCaches, is_cache
 
 #: Keyword arguments of a pass that are never split by rows, even when their length equals the batch size (a prompt

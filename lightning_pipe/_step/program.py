@@ -38,13 +38,13 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
 from lightning_pipe._calls.batch import Result, call_muted, row_span
+from lightning_pipe._calls.blocks import Backbone
+from lightning_pipe._calls.flow import Flow, Producer
 from lightning_pipe._calls.records import HiddenAt, Structure, replace_hidden
 from lightning_pipe._calls.runners import BlockCalls, BlockRunners, never_called
 from lightning_pipe._calls.stops import Stop
 from lightning_pipe._errors import BackboneCallError, stop_iteration_fails
 from lightning_pipe._ghost import Ghost, GhostValueError, contains_ghost, ghost_of
-from lightning_pipe._model.backbone import Backbone
-from lightning_pipe._model.flow import Flow, Producer
 from lightning_pipe._model.structure import everything_ghosted
 
 if TYPE_CHECKING:

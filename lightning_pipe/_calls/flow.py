@@ -16,7 +16,7 @@ run of the step:
   embedding);
 - ``("inner", path, k, i)``: tensor ``i`` of the output of the ``k``-th call of the module at ``path`` inside a
   block, which a forward hook hands out (a mixture-of-experts router's logits, which the load-balancing loss reads
-  after the backbone: [Note: values from inside blocks] in :mod:`lightning_pipe._model.inner`).
+  after the backbone: [Note: values from inside blocks] in :mod:`lightning_pipe._calls.inner`).
 
 A value computed by plain tensor code from such values (a reshape, a ``.to(dtype)``, a mask built from an
 embedding) is computed again on the stage that uses it, from its producers. A boundary carries every producer

@@ -5,7 +5,7 @@ records that module's output for the code after the backbone. Hugging Face's out
 (``_can_record_outputs``, ``OutputRecorder``, ``capture_outputs``): a mixture-of-experts model's router logits, which
 the load-balancing loss reads after the blocks, are appended by a hook on each block's router (``MixtralTopKRouter``)
 to a list that the model's ``forward`` returns. Such a value crosses stage boundaries like a block's output
-([Note: stage boundaries] in :mod:`lightning_pipe._model.flow`), as the producer ``("inner", path, call, leaf)``: tensor
+([Note: stage boundaries] in :mod:`lightning_pipe._calls.flow`), as the producer ``("inner", path, call, leaf)``: tensor
 ``leaf`` of the ``call``-th output of the module at ``path`` inside a block.
 
 - The setup's analysis records, per block, every call of a module inside it that has forward hooks of the model's own
