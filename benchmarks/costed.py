@@ -16,12 +16,18 @@ own) and every figure is the median over them; single runs of the same code move
 ``--actions`` also times, in both variants, every stage action torch's schedule runs (``F`` forward, ``B`` backward
 or input gradient, ``W`` weight gradient) and the step's *tail*: from the end of a step's last action on any rank to
 rank 0's start of the next step, where the optimizer, Lightning's loop and the strategy's own per-step work run.
-With 10 ms blocks, what an action takes beyond 10 ms per block is the code around it.
+With 10 ms blocks, what an action takes beyond 10 ms per block is the code around it. Each stage's actions are also
+timed apart (``F3``: stage 3's forwards), and the strategy's extra per stage's forward is printed.
+
+``--trainer-defaults`` runs the strategy as a user's script would, under the Trainer's defaults (logger, progress bar,
+model summary, checkpointing, the distributed sampler) and the strategy's (the batch check of
+``check_data_every_n_batches``), instead of a bare Trainer; the loop stays as it is.
 
     python benchmarks/costed.py                                   # pp4, m=8, 10 ms each, every schedule
     python benchmarks/costed.py --schedules 1F1B --steps 5        # a quick look
     python benchmarks/costed.py --runs 3                          # the median of 3 runs per schedule
     python benchmarks/costed.py --actions                         # and where the difference is
+    python benchmarks/costed.py --trainer-defaults                # the strategy as a user's script runs it
 """
 
 from __future__ import annotations
@@ -144,7 +150,7 @@ class _ActionTimes:
     def __init__(self) -> None:
         from torch.distributed.pipelining import schedules, stage
 
-        self.records: list[tuple[str, float, float]] = []
+        self.records: list[tuple[str, float, float]] = []  # (kind, start, end); a stage action's kind names its stage
         for name, kind in self.KINDS.items():
             self._wrap(stage._PipelineStageBase, name, kind)
         for cls in (schedules.PipelineScheduleSingle, schedules.PipelineScheduleMulti):
@@ -157,8 +163,8 @@ class _ActionTimes:
             start = time.perf_counter()
             try:
                 return original(*args, **kwargs)
-            finally:
-                records.append((kind, start, time.perf_counter()))
+            finally:  # "F3": a forward of stage 3
+                records.append((kind if kind == "step" else f"{kind}{args[0].stage_index}", start, time.perf_counter()))
 
         setattr(cls, name, timed)
 
@@ -178,9 +184,10 @@ def _action_summary(out: str, pp: int, warmup: int) -> dict[str, float]:
     steps = [[(a, b) for kind, a, b in records if kind == "step"] for records in ranks]
     timed_from = [s[warmup][0] for s in steps]
     summary = {}
-    for kind in ("F", "B", "W"):
+    kinds = sorted({k for records in ranks for k, _, _ in records if k != "step"}, key=lambda k: (k[0], int(k[1:])))
+    for kind in ("F", "B", "W", *kinds):  # every stage's together, then each stage's
         durations = [b - a for r, records in enumerate(ranks) for k, a, b in records
-                     if k == kind and a >= timed_from[r]]
+                     if (k[0] if len(kind) == 1 and k != "step" else k) == kind and a >= timed_from[r]]
         if durations:
             summary[kind] = 1e3 * statistics.median(durations)
     n = min(len(s) for s in steps)
@@ -270,15 +277,16 @@ class _Profile(Callback):
 def run_strategy(args: argparse.Namespace, out: str) -> None:
     torch.set_num_threads(1)
     spec = SCHEDULES[args.schedule]
+    bare = {} if args.trainer_defaults else dict(check_data_every_n_batches=None)
     strategy = PipelineStrategy(
         pipeline_parallel_size=args.pp, schedule=args.schedule, num_microbatches=args.num_microbatches,
-        stages_per_rank=2 if spec.multi_stage else 1, check_data_every_n_batches=None,
+        stages_per_rank=2 if spec.multi_stage else 1, **bare,
     )
     starts = _Starts()
     times = _ActionTimes() if args.actions else None
-    trainer = L.Trainer(accelerator="cpu", devices=args.pp, strategy=strategy, max_steps=len(_batches(args)),
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, use_distributed_sampler=False,
+    quiet = {} if args.trainer_defaults else dict(logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                                                  enable_model_summary=False, use_distributed_sampler=False)
+    trainer = L.Trainer(accelerator="cpu", devices=args.pp, strategy=strategy, max_steps=len(_batches(args)), **quiet,
                         callbacks=[starts] + ([_Profile(args.profile, args.warmup)] if args.profile else []))
     trainer.fit(_model(args), torch.utils.data.DataLoader(_batches(args), batch_size=None))
     if trainer.global_rank == 0:
@@ -330,7 +338,11 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=1,
                    help="runs per schedule, one after the other; each figure is then the median over them")
     p.add_argument("--actions", action="store_true",
-                   help="also time each stage action and the step's tail, in both variants (median ms)")
+                   help="also time each stage action (every stage's, and each stage's apart) and the step's tail, in"
+                   " both variants (median ms)")
+    p.add_argument("--trainer-defaults", action="store_true",
+                   help="the strategy under the Trainer's and the strategy's defaults (logger, progress bar, model"
+                   " summary, checkpointing, distributed sampler, the batch check) instead of a bare Trainer")
     args = p.parse_args()
     if args.variant == "torch":
         return run_torch(args, args.out)
@@ -360,6 +372,11 @@ def main() -> None:
             for variant, summary in by_variant.items():
                 cells = "".join(f"{summary[k]:>8.2f}" if k in summary else f"{'-':>8}" for k in ("F", "B", "W", "tail"))
                 print(f"{schedule:<22}{variant:<26}{cells}")
+        print("\nmedian ms per stage's forward, the strategy's extra over the loop's")
+        for schedule, by_variant in actions.items():
+            loop, strategy = by_variant["torch_loop"], by_variant["strategy"]
+            stages = [k for k in strategy if k.startswith("F") and len(k) > 1 and k in loop]
+            print(f"{schedule:<22}" + " ".join(f"{k} {strategy[k] - loop[k]:+.2f}" for k in stages))
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "costed_results.json")
     with open(path, "w") as f:
         json.dump(results, f, indent=1)
