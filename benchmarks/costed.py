@@ -187,7 +187,7 @@ def _action_summary(out: str, pp: int, warmup: int) -> dict[str, float]:
     kinds = sorted({k for records in ranks for k, _, _ in records if k != "step"}, key=lambda k: (k[0], int(k[1:])))
     for kind in ("F", "B", "W", *kinds):  # every stage's together, then each stage's
         durations = [b - a for r, records in enumerate(ranks) for k, a, b in records
-                     if (k[0] if len(kind) == 1 and k != "step" else k) == kind and a >= timed_from[r]]
+                     if k != "step" and kind in (k, k[0]) and a >= timed_from[r]]
         if durations:
             summary[kind] = 1e3 * statistics.median(durations)
     n = min(len(s) for s in steps)
